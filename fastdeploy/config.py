@@ -1,0 +1,271 @@
+"""Configuration: the model's config.json (DeepSeek-V3 + SWA keys) and the engine's settings.
+
+SWA keys follow DESIGN.md §4: the window W counts the current token; ``window_attn_skip_freq``
+(Megatron-Core) or ``layer_types`` (Hugging Face) marks the SWA layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+@dataclass
+class ModelConfig:
+    """A DeepSeek-V3 style config.json, with the SWA layers resolved per layer."""
+
+    model_dir: str = ""
+    architectures: list[str] = field(default_factory=lambda: ["DeepseekV3ForCausalLM"])
+    hidden_size: int = 7168
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    num_key_value_heads: int = 128
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    n_routed_experts: int | None = 256
+    n_shared_experts: int | None = 1
+    num_experts_per_tok: int | None = 8
+    first_k_dense_replace: int = 3
+    moe_layer_freq: int = 1
+    n_group: int = 8
+    topk_group: int = 4
+    topk_method: str = "noaux_tc"
+    scoring_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    rms_norm_eps: float = 1e-6
+    vocab_size: int = 129280
+    max_position_embeddings: int = 163840
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    num_nextn_predict_layers: int = 0
+    hidden_act: str = "silu"
+    # SWA, resolved by _resolve_swa: W (None without a window) and one flag per layer.
+    sliding_window: int | None = None
+    window_attn_skip_freq: list[int] = field(default_factory=list)
+    swa_rope_theta: float | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        cfg = cls.from_dict(raw)
+        cfg.model_dir = model_dir
+        return cfg
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in fields(cls)} - {"sliding_window", "window_attn_skip_freq", "model_dir"}
+        cfg = cls(**{k: v for k, v in raw.items() if k in names})
+        if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
+            raise ValueError(f"config key 'q_lora_rank' must be null or positive, got {cfg.q_lora_rank!r}")
+        _resolve_swa(cfg, raw)
+        return cfg
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_swa_flags(self) -> int:
+        return len(self.window_attn_skip_freq)
+
+    def is_swa_layer(self, layer_id: int) -> bool:
+        """True when layer ``layer_id`` (0-based; MTP layers follow the main ones) is SWA."""
+        if not 0 <= layer_id < len(self.window_attn_skip_freq):
+            raise IndexError(f"layer_id {layer_id} outside 0..{len(self.window_attn_skip_freq) - 1}")
+        return self.window_attn_skip_freq[layer_id] == 1
+
+    @property
+    def swa_layer_ids(self) -> list[int]:
+        return [i for i, f in enumerate(self.window_attn_skip_freq) if f == 1]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _window_from_sliding_window(v: Any) -> int | None:
+    """``sliding_window``: an int W (HF), or [left, right] (PaddleFleet / Megatron): W = left + 1."""
+    if v is None:
+        return None
+    if _is_int(v):
+        if v <= 0:
+            raise ValueError(f"config key 'sliding_window' must be a positive int, got {v!r}")
+        return v
+    return _window_from_pair("sliding_window", v)
+
+
+def _window_from_pair(key: str, v: Any) -> int | None:
+    if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_int(x) for x in v)):
+        raise ValueError(f"config key {key!r} must be [left, right] ints, got {v!r}")
+    left, right = v
+    if left == -1 and right in (-1, 0):
+        return None  # Megatron's "no window"
+    if right != 0:
+        raise ValueError(f"config key {key!r} must have right extent 0 (causal), got {v!r}")
+    if left < 0:
+        raise ValueError(f"config key {key!r} must have left extent >= 0, got {v!r}")
+    return left + 1
+
+
+def _flags_from_skip_freq(v: Any, n_layers: int, n_mtp: int) -> list[int]:
+    key = "window_attn_skip_freq"
+    if _is_int(v):
+        if v < 1:
+            raise ValueError(f"config key {key!r} as an int must be >= 1, got {v!r}")
+        return [0 if (i + 1) % v == 0 else 1 for i in range(n_layers)]
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"config key {key!r} must be an int or a list of 0/1, got {v!r}")
+    if len(v) not in (n_layers, n_layers + n_mtp):
+        raise ValueError(
+            f"config key {key!r} has {len(v)} entries, expected num_hidden_layers={n_layers}"
+            + (f" or {n_layers + n_mtp} with num_nextn_predict_layers={n_mtp}" if n_mtp else "")
+            + f": {list(v)!r}"
+        )
+    for x in v:
+        if not _is_int(x) or x not in (0, 1):
+            raise ValueError(f"config key {key!r} entries must be 0 or 1, got {x!r} in {list(v)!r}")
+    return list(v)
+
+
+def _flags_from_layer_types(v: Any, n_layers: int, n_mtp: int) -> list[int]:
+    key = "layer_types"
+    if not isinstance(v, (list, tuple)) or len(v) not in (n_layers, n_layers + n_mtp):
+        raise ValueError(f"config key {key!r} must be a list of num_hidden_layers={n_layers} strings, got {v!r}")
+    out = []
+    for x in v:
+        if x not in (SLIDING, FULL):
+            raise ValueError(f"config key {key!r} has unknown entry {x!r} (expected {SLIDING!r} or {FULL!r})")
+        out.append(1 if x == SLIDING else 0)
+    return out
+
+
+def _resolve_swa(cfg: ModelConfig, raw: dict[str, Any]) -> None:
+    n, n_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    w_sw = _window_from_sliding_window(raw.get("sliding_window"))
+    w_ws = _window_from_pair("window_size", raw["window_size"]) if raw.get("window_size") is not None else None
+    if w_sw is not None and w_ws is not None and w_sw != w_ws:
+        raise ValueError(
+            f"config keys 'sliding_window'={raw['sliding_window']!r} (W={w_sw}) and "
+            f"'window_size'={raw['window_size']!r} (W={w_ws}) disagree"
+        )
+    window = w_sw if w_sw is not None else w_ws
+
+    sources = []
+    if raw.get("window_attn_skip_freq") is not None:
+        sources.append(("window_attn_skip_freq", _flags_from_skip_freq(raw["window_attn_skip_freq"], n, n_mtp)))
+    if raw.get("layer_types") is not None:
+        sources.append(("layer_types", _flags_from_layer_types(raw["layer_types"], n, n_mtp)))
+    if len(sources) == 2:
+        (ka, a), (kb, b) = sources
+        m = min(len(a), len(b))
+        if a[:m] != b[:m]:
+            raise ValueError(f"config keys {ka!r}={raw[ka]!r} and {kb!r}={raw[kb]!r} disagree on the SWA layers")
+        sources.sort(key=lambda s: -len(s[1]))
+    if sources:
+        flags = sources[0][1]
+    else:
+        flags = [1 if window is not None else 0] * n  # Megatron: a window alone makes every layer SWA
+
+    if any(flags) and window is None:
+        key = sources[0][0] if sources else "sliding_window"
+        raise ValueError(
+            f"config key {key!r} marks SWA layers {[i for i, f in enumerate(flags) if f]} "
+            "but no positive window is set ('sliding_window' or 'window_size')"
+        )
+    cfg.sliding_window = window
+    cfg.window_attn_skip_freq = flags
+    if cfg.swa_rope_theta is not None and not cfg.swa_rope_theta > 0:
+        raise ValueError(f"config key 'swa_rope_theta' must be positive, got {cfg.swa_rope_theta!r}")
+
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+
+
+@dataclass
+class CacheConfig:
+    """KV cache settings. ``num_gpu_blocks`` None means: size from memory at start-up."""
+
+    block_size: int = 64
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_quant_type: str = "auto"
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.block_size) or self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_quant_type not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_quant_type must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_quant_type!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for k in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"{k} must be positive, got {getattr(self, k)!r}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
+
+
+@dataclass
+class FDConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        sc, mc = self.scheduler_config, self.model_config
+        if sc.max_model_len is None:
+            sc.max_model_len = mc.max_position_embeddings
+        elif sc.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={sc.max_model_len} exceeds the model's max_position_embeddings="
+                f"{mc.max_position_embeddings}"
+            )
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < sc.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={sc.max_num_batched_tokens} < max_model_len={sc.max_model_len} "
+                "needs chunked prefill (enable_chunked_prefill)"
+            )

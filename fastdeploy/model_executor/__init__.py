@@ -1,0 +1,1 @@
+"""Model execution: layers, models, kernels, weight loading."""

@@ -1,0 +1,1 @@
+"""Triton kernels and the launcher that feeds them paddle tensors."""

@@ -1,0 +1,110 @@
+"""Minimal safetensors reader/writer over numpy, for dtypes numpy lacks (BF16, F8_E4M3).
+
+Format: u64 little-endian header length, a JSON header {name: {dtype, shape, data_offsets}},
+then the raw little-endian tensor bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+
+import numpy as np
+
+_NP = {"F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "U8": "u1", "I8": "i1", "BOOL": "?", "F64": "<f8"}
+_ITEMSIZE = {"BF16": 2, "F8_E4M3": 1, **{k: np.dtype(v).itemsize for k, v in _NP.items()}}
+
+
+def bf16_bytes(x: np.ndarray) -> bytes:
+    """float32 -> bf16 (round to nearest even), as bytes."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + (((u >> 16) & 1) + 0x7FFF)) >> 16
+    return u.astype("<u2").tobytes()
+
+
+def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    """uint16 bf16 bit patterns -> float32."""
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def _e4m3_table() -> np.ndarray:
+    b = np.arange(256, dtype=np.int64)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, b & 0x7
+    val = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * 2.0 ** (exp - 7))
+    val = np.where((exp == 15) & (man == 7), np.nan, val)  # e4m3fn: only S.1111.111 is NaN
+    return (sign * val).astype(np.float32)
+
+
+E4M3_TO_F32 = _e4m3_table()
+
+
+def save_file(path: str, tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> None:
+    """Write ``{name: (dtype, array)}``; dtype is a safetensors name ("BF16" takes float32 input,
+    "F8_E4M3" takes the uint8 codes). Tensors are written in sorted name order."""
+    header, blobs, off = {}, [], 0
+    for name in sorted(tensors):
+        dtype, x = tensors[name]
+        if dtype == "BF16":
+            data = bf16_bytes(x)
+        elif dtype == "F8_E4M3":
+            data = np.ascontiguousarray(x, dtype=np.uint8).tobytes()
+        else:
+            data = np.ascontiguousarray(x, dtype=_NP[dtype]).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(x.shape), "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    if metadata:
+        header["__metadata__"] = metadata
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+class SafeTensorsFile:
+    """Lazy reader: ``keys()``, ``dtype(name)``, ``shape(name)``, ``get(name)`` -> numpy.
+
+    ``get`` returns float32 for BF16/F16/F32, uint8 codes for F8_E4M3 (see ``E4M3_TO_F32``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if len(self._mm) < 8:
+            raise ValueError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", self._mm[:8])
+        if n > len(self._mm) - 8:
+            raise ValueError(f"{path}: not a safetensors file (bad header length {n})")
+        header = json.loads(bytes(self._mm[8 : 8 + n]))
+        self.metadata = header.pop("__metadata__", {})
+        self._header = header
+        self._base = 8 + n
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def dtype(self, name: str) -> str:
+        return self._header[name]["dtype"]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._header[name]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        info = self._header[name]
+        dtype, shape = info["dtype"], tuple(info["shape"])
+        b, e = info["data_offsets"]
+        if dtype not in _ITEMSIZE:
+            raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
+        if e - b != int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]:
+            raise ValueError(f"{self.path}: tensor {name!r} byte length does not match shape {shape}")
+        raw = np.frombuffer(self._mm, dtype=np.uint8, count=e - b, offset=self._base + b)
+        if dtype == "BF16":
+            return bf16_to_f32(raw.view("<u2")).reshape(shape)
+        if dtype == "F8_E4M3":
+            return raw.reshape(shape).copy()
+        return raw.view(_NP[dtype]).astype(np.float32 if dtype == "F16" else _NP[dtype]).reshape(shape)

@@ -1,0 +1,1 @@
+"""Command-line tools: make_tiny_model."""

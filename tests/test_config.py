@@ -1,0 +1,142 @@
+import json
+
+import pytest
+
+from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+
+def cfg(**kw):
+    base = {"num_hidden_layers": 8}
+    base.update(kw)
+    return ModelConfig.from_dict(base)
+
+
+def test_list_form():
+    c = cfg(sliding_window=128, window_attn_skip_freq=[1, 1, 1, 0, 1, 1, 1, 0])
+    assert c.sliding_window == 128
+    assert c.swa_layer_ids == [0, 1, 2, 4, 5, 6]
+    assert c.is_swa_layer(0) and not c.is_swa_layer(3)
+
+
+def test_int_form_equals_list_form_and_window_size_equals_sliding_window():
+    a = cfg(sliding_window=128, window_attn_skip_freq=[1, 1, 1, 0, 1, 1, 1, 0])
+    b = cfg(window_size=[127, 0], window_attn_skip_freq=4)
+    assert b.window_attn_skip_freq == a.window_attn_skip_freq
+    assert [i for i in range(8) if not b.is_swa_layer(i)] == [3, 7]
+    assert b.sliding_window == a.sliding_window == 128
+
+
+def test_sliding_window_pair_means_left_plus_one():
+    assert cfg(sliding_window=[128, 0], window_attn_skip_freq=2).sliding_window == 129
+
+
+def test_int_one_means_all_full():
+    c = cfg(sliding_window=16, window_attn_skip_freq=1)
+    assert c.swa_layer_ids == []
+
+
+def test_layer_types():
+    types = ["sliding_attention", "full_attention"] * 4
+    c = cfg(sliding_window=16, layer_types=types)
+    assert c.swa_layer_ids == [0, 2, 4, 6]
+    both = cfg(sliding_window=16, layer_types=types, window_attn_skip_freq=[1, 0] * 4)
+    assert both.window_attn_skip_freq == c.window_attn_skip_freq
+
+
+def test_window_alone_means_all_swa_and_nothing_means_none():
+    assert cfg(sliding_window=16).swa_layer_ids == list(range(8))
+    c = cfg()
+    assert c.swa_layer_ids == [] and c.sliding_window is None
+
+
+def test_mtp_flags_accepted():
+    c = cfg(sliding_window=16, num_nextn_predict_layers=1, window_attn_skip_freq=[1] * 9)
+    assert c.is_swa_layer(8)
+    with pytest.raises(IndexError):
+        c.is_swa_layer(9)
+
+
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        ({"sliding_window": 16, "window_attn_skip_freq": [1, 0, 1]}, "window_attn_skip_freq"),
+        ({"sliding_window": 16, "window_attn_skip_freq": [1, 0, 2, 0, 1, 0, 1, 0]}, "window_attn_skip_freq"),
+        ({"sliding_window": 16, "window_attn_skip_freq": [1, 0, True, 0, 1, 0, 1, 0]}, "window_attn_skip_freq"),
+        ({"sliding_window": 16, "window_attn_skip_freq": 0}, "window_attn_skip_freq"),
+        ({"sliding_window": 16, "window_attn_skip_freq": -2}, "window_attn_skip_freq"),
+        ({"sliding_window": 16, "window_attn_skip_freq": "2"}, "window_attn_skip_freq"),
+        ({"window_attn_skip_freq": [1, 0] * 4}, "window_attn_skip_freq"),
+        ({"sliding_window": 0, "window_attn_skip_freq": [1, 0] * 4}, "sliding_window"),
+        ({"sliding_window": -5}, "sliding_window"),
+        ({"sliding_window": [16, 4]}, "sliding_window"),
+        ({"sliding_window": [16]}, "sliding_window"),
+        ({"window_size": [15, 1]}, "window_size"),
+        ({"window_size": [-3, 0]}, "window_size"),
+        ({"sliding_window": 16, "window_size": [31, 0]}, "window_size"),
+        ({"sliding_window": 16, "layer_types": ["sliding_attention", "global"] * 4}, "layer_types"),
+        ({"sliding_window": 16, "layer_types": ["sliding_attention"] * 3}, "layer_types"),
+        ({"layer_types": ["sliding_attention"] * 8}, "layer_types"),
+        (
+            {"sliding_window": 16, "layer_types": ["sliding_attention"] * 8, "window_attn_skip_freq": [1, 0] * 4},
+            "layer_types",
+        ),
+        ({"sliding_window": 16, "swa_rope_theta": -1.0}, "swa_rope_theta"),
+        ({"q_lora_rank": 0}, "q_lora_rank"),
+    ],
+)
+def test_invalid_values_name_the_key(kw, key):
+    with pytest.raises(ValueError, match=key):
+        cfg(**kw)
+
+
+def test_megatron_no_window_pair():
+    assert cfg(window_size=[-1, -1]).sliding_window is None
+
+
+def test_from_pretrained_tiny_has_both_kinds(tiny_model_dir):
+    c = ModelConfig.from_pretrained(tiny_model_dir)
+    assert c.sliding_window == 32
+    assert c.swa_layer_ids and len(c.swa_layer_ids) < c.num_hidden_layers
+    assert c.kv_lora_rank == 512 and c.qk_rope_head_dim == 64 and c.q_lora_rank
+    assert c.rope_scaling["type"] == "yarn" and c.n_group > 1
+    assert c.qk_head_dim == c.qk_nope_head_dim + 64
+
+
+def test_from_pretrained_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_pretrained(str(tmp_path))
+
+
+def test_unknown_keys_ignored_and_eos_list(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "foo": 1, "eos_token_id": [1, 2]}))
+    c = ModelConfig.from_pretrained(str(tmp_path))
+    assert c.eos_token_ids == [1, 2] and c.model_dir == str(tmp_path)
+    assert ModelConfig.from_dict({"num_hidden_layers": 1, "eos_token_id": None}).eos_token_ids == []
+
+
+@pytest.mark.parametrize(
+    "ctor, kw, word",
+    [
+        (CacheConfig, {"block_size": 48}, "block_size"),
+        (CacheConfig, {"block_size": 0}, "block_size"),
+        (CacheConfig, {"num_gpu_blocks": 0}, "num_gpu_blocks"),
+        (CacheConfig, {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        (CacheConfig, {"kv_cache_quant_type": "int3"}, "kv_cache_quant_type"),
+        (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs"),
+        (ParallelConfig, {"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ],
+)
+def test_engine_config_errors(ctor, kw, word):
+    with pytest.raises(ValueError, match=word):
+        ctor(**kw)
+
+
+def test_fdconfig(tiny_model_dir):
+    mc = ModelConfig.from_pretrained(tiny_model_dir)
+    fd = FDConfig(mc)
+    assert fd.scheduler_config.max_model_len == mc.max_position_embeddings
+    assert fd.cache_config.block_size == 64 and fd.parallel_config.tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="max_model_len"):
+        FDConfig(mc, scheduler_config=SchedulerConfig(max_model_len=10**6))
+    with pytest.raises(ValueError, match="chunked prefill"):
+        FDConfig(mc, scheduler_config=SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False))

@@ -1,0 +1,106 @@
+import filecmp
+import json
+import os
+
+import numpy as np
+import pytest
+
+from fastdeploy.config import ModelConfig
+from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, SafeTensorsFile, save_file
+from fastdeploy.tools import make_tiny_model as mtm
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    mtm.main([a, "--seed", "3"])
+    mtm.main([b, "--seed", "3"])
+    mtm.main([c, "--seed", "4"])
+    names = sorted(os.listdir(a))
+    assert names == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    match, mismatch, err = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert match == names and not mismatch and not err
+    assert not filecmp.cmp(os.path.join(a, "model.safetensors"), os.path.join(c, "model.safetensors"), shallow=False)
+
+
+def test_options_and_tensor_shapes(tmp_path):
+    d = str(tmp_path / "m")
+    mtm.main([d, "--num-layers", "3", "--sliding-window", "8", "--swa-layers", "0,2"])
+    cfg = ModelConfig.from_pretrained(d)
+    assert cfg.num_hidden_layers == 3 and cfg.sliding_window == 8 and cfg.swa_layer_ids == [0, 2]
+    f = SafeTensorsFile(os.path.join(d, "model.safetensors"))
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    assert f.shape("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") == (512 + 64, h)
+    assert f.shape("model.layers.1.self_attn.kv_b_proj.weight") == (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), 512)
+    assert f.shape("model.layers.2.mlp.experts.7.down_proj.weight") == (h, cfg.moe_intermediate_size)
+    assert f.dtype("model.layers.0.mlp.gate_proj.weight") == "BF16"
+    assert f.dtype("model.layers.1.mlp.gate.e_score_correction_bias") == "F32"
+    assert "model.layers.0.mlp.gate.weight" not in f.keys()  # first_k_dense_replace = 1
+    w = f.get("lm_head.weight")
+    assert w.dtype == np.float32 and np.isfinite(w).all() and w.std() > 0
+
+
+@pytest.mark.parametrize("ids, want", [("all", [0, 1, 2, 3]), ("none", [])])
+def test_all_none(tmp_path, ids, want):
+    d = str(tmp_path / ids)
+    mtm.main([d, "--swa-layers", ids])
+    assert ModelConfig.from_pretrained(d).swa_layer_ids == want
+
+
+@pytest.mark.parametrize("args", [["--swa-layers", "0,x"], ["--swa-layers", "9"], ["--num-layers", "0"], ["--sliding-window", "0"]])
+def test_bad_cli(tmp_path, args, capsys):
+    with pytest.raises(SystemExit):
+        mtm.main([str(tmp_path / "x"), *args])
+    assert "--" in capsys.readouterr().err
+
+
+def test_tokenizer_and_chat_template(tiny_model_dir):
+    from jinja2 import Template
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(tiny_model_dir, "tokenizer.json"))
+    text = "Hello, sliding window! ü"
+    assert tok.decode(tok.encode(text).ids) == text
+    tc = json.load(open(os.path.join(tiny_model_dir, "tokenizer_config.json"), encoding="utf-8"))
+    cfg = json.load(open(os.path.join(tiny_model_dir, "config.json")))
+    assert tok.token_to_id(tc["bos_token"]) == cfg["bos_token_id"]
+    assert tok.token_to_id(tc["eos_token"]) == cfg["eos_token_id"]
+    out = Template(tc["chat_template"]).render(
+        messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        add_generation_prompt=True,
+        bos_token=tc["bos_token"],
+        eos_token=tc["eos_token"],
+    )
+    assert out == tc["bos_token"] + "S" + mtm.USER + "hi" + mtm.ASSISTANT + "yo" + tc["eos_token"] + mtm.ASSISTANT
+
+
+def test_preset_builds_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("FD_CACHE_DIR", str(tmp_path))
+    assert mtm.resolve_model("/some/dir") == "/some/dir"
+    p = mtm.resolve_model(mtm.TINY_PRESET)
+    mtime = os.path.getmtime(os.path.join(p, "model.safetensors"))
+    assert mtm.resolve_model(mtm.TINY_PRESET) == p
+    assert os.path.getmtime(os.path.join(p, "model.safetensors")) == mtime
+    assert ModelConfig.from_pretrained(p).swa_layer_ids == [0, 2]
+
+
+def test_safetensors_roundtrip_and_errors(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    codes = rng.integers(0, 256, (4, 4), dtype=np.uint8)
+    p = str(tmp_path / "t.safetensors")
+    save_file(p, {"a": ("F32", x), "b": ("BF16", x), "c": ("F8_E4M3", codes), "d": ("I32", np.arange(6).reshape(2, 3))})
+    f = SafeTensorsFile(p)
+    np.testing.assert_array_equal(f.get("a"), x)
+    np.testing.assert_allclose(f.get("b"), x, rtol=2**-8)
+    np.testing.assert_array_equal(f.get("c"), codes)
+    np.testing.assert_array_equal(f.get("d"), np.arange(6).reshape(2, 3))
+    # e4m3: 0x38 = 1.0, 0x7e = 448 (max), 0x7f = NaN, 0x01 = 2^-9 (smallest subnormal)
+    assert E4M3_TO_F32[0x38] == 1.0 and E4M3_TO_F32[0x7E] == 448.0 and E4M3_TO_F32[0x01] == 2.0**-9
+    assert np.isnan(E4M3_TO_F32[0x7F]) and E4M3_TO_F32[0xB8] == -1.0
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x01")
+    with pytest.raises(ValueError, match="too short"):
+        SafeTensorsFile(str(bad))
+    bad.write_bytes((10**9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="header length"):
+        SafeTensorsFile(str(bad))
