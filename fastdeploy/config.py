@@ -59,7 +59,7 @@ class ModelConfig:
     swa_rope_theta: float | None = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str) -> ModelConfig:
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
@@ -70,7 +70,7 @@ class ModelConfig:
         return cfg
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         names = {f.name for f in fields(cls)} - {"sliding_window", "window_attn_skip_freq", "model_dir"}
         cfg = cls(**{k: v for k, v in raw.items() if k in names})
         if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:

@@ -46,7 +46,9 @@ def test_all_none(tmp_path, ids, want):
     assert ModelConfig.from_pretrained(d).swa_layer_ids == want
 
 
-@pytest.mark.parametrize("args", [["--swa-layers", "0,x"], ["--swa-layers", "9"], ["--num-layers", "0"], ["--sliding-window", "0"]])
+@pytest.mark.parametrize(
+    "args", [["--swa-layers", "0,x"], ["--swa-layers", "9"], ["--num-layers", "0"], ["--sliding-window", "0"]]
+)
 def test_bad_cli(tmp_path, args, capsys):
     with pytest.raises(SystemExit):
         mtm.main([str(tmp_path / "x"), *args])
@@ -65,7 +67,11 @@ def test_tokenizer_and_chat_template(tiny_model_dir):
     assert tok.token_to_id(tc["bos_token"]) == cfg["bos_token_id"]
     assert tok.token_to_id(tc["eos_token"]) == cfg["eos_token_id"]
     out = Template(tc["chat_template"]).render(
-        messages=[{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        messages=[
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"},
+        ],
         add_generation_prompt=True,
         bos_token=tc["bos_token"],
         eos_token=tc["eos_token"],
