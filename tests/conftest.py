@@ -23,3 +23,8 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from fastdeploy.tools.make_tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+
+
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/numpy_refs.py

@@ -3,29 +3,9 @@
 import numpy as np
 import paddle
 import pytest
+from numpy_refs import decode_records
 
 from fastdeploy.model_executor.ops.triton_ops import mla_fp8_cache as m
-
-
-def e4m3_decode(codes: np.ndarray) -> np.ndarray:
-    """Independent e4m3fn decoder (float64)."""
-    c = codes.astype(np.int64)
-    s = np.where(c & 0x80, -1.0, 1.0)
-    e, f = (c >> 3) & 15, c & 7
-    v = np.where(e == 0, f * 2.0**-9, (8 + f) * 2.0 ** (e - 10))
-    return s * np.where((e == 15) & (f == 7), np.nan, v)
-
-
-def bf16_to_f64(u16: np.ndarray) -> np.ndarray:
-    return (u16.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def decode_records(rec: np.ndarray):
-    """uint8 [N, 656] -> latent float64 [N, 512], scales float32 [N, 4], rope float64 [N, 64]."""
-    scales = rec[:, 512:528].copy().view("<f4")
-    lat = e4m3_decode(rec[:, :512]).reshape(-1, 4, 128) * scales[:, :, None]
-    rope = bf16_to_f64(rec[:, 528:].copy().view("<u2"))
-    return lat.reshape(-1, 512), scales, rope
 
 
 def random_inputs(rng, T):

@@ -1,0 +1,1 @@
+"""Attention backends and the sparse MLA interface."""

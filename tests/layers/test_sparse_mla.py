@@ -1,0 +1,159 @@
+"""sparse_mla_attention: every provider against a float64 numpy reference over the de-quantized
+cache. Every slot that no index names is NaN (0xFF bytes: NaN scale, NaN fp8, NaN rope)."""
+
+import sys
+import types
+
+import numpy as np
+import paddle
+import pytest
+import torch
+from numpy_refs import dequant_records, sparse_mla_np
+
+from fastdeploy.model_executor.layers.attention import sparse_mla as sm
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import write_mla_fp8_cache_ref
+
+SCALE = 0.1352
+
+
+def make_case(rng, T, H, topk, num_blocks=6, block_size=64):
+    """A cache whose used slots hold random records and the rest NaN bytes, and index rows with
+    -1 holes, all -1 rows, single-slot rows and repeated slots."""
+    S = num_blocks * block_size
+    cache = paddle.full([num_blocks, block_size, 1, 656], 0xFF, dtype="uint8")
+    used = rng.permutation(S)[: S // 2].astype(np.int32)
+    kv_c = paddle.to_tensor(rng.standard_normal((used.size, 512)) * rng.uniform(0.1, 4), "float32")
+    k_pe = paddle.to_tensor(rng.standard_normal((used.size, 64)), "float32")
+    write_mla_fp8_cache_ref(kv_c, k_pe, paddle.to_tensor(used), cache)
+    idx = rng.choice(used, size=(T, topk)).astype(np.int32)
+    idx[rng.random((T, topk)) < 0.3] = -1
+    if T > 3:
+        idx[1] = -1  # no valid slot
+        idx[2] = -1
+        idx[2, topk // 2] = used[0]  # one valid slot
+        idx[3, : topk // 2] = used[1]  # repeated slot
+    q = paddle.to_tensor(rng.standard_normal((T, H, 576)), "float32").astype("bfloat16")
+    return q, cache, idx
+
+
+def check(q, cache, idx, out, lse, rtol=2e-2):
+    kv = dequant_records(cache.numpy().reshape(-1, 656))
+    want, want_lse = sparse_mla_np(q.astype("float32").numpy(), kv, idx, SCALE)
+    got = out.astype("float32").numpy()
+    assert out.dtype == paddle.bfloat16 and list(out.shape) == list(want.shape)
+    assert lse.dtype == paddle.float32 and np.isfinite(got).all()
+    err = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
+    empty = ~(idx >= 0).any(-1)
+    assert (err[~empty] < rtol).all(), err.max()
+    assert (got[empty] == 0).all()
+    got_lse = lse.numpy()
+    assert np.isinf(got_lse[empty]).all() and (got_lse[empty] > 0).all()
+    np.testing.assert_allclose(got_lse[~empty], want_lse[~empty], rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("provider", ["triton", "reference"])
+@pytest.mark.parametrize("T, H, topk", [(1, 16, 64), (7, 64, 100), (300, 16, 128), (5, 128, 64)])
+def test_providers_match_float64(provider, T, H, topk, rng):
+    q, cache, idx = make_case(rng, T, H, topk)
+    out, lse = sm.sparse_mla_attention(q, cache, paddle.to_tensor(idx), SCALE, provider=provider)
+    check(q, cache, idx, out, lse)
+
+
+def test_reference_chunks_and_empty(rng):
+    q, cache, idx = make_case(rng, 9, 16, 64)
+    out, lse = sm.sparse_mla_reference(q, cache, paddle.to_tensor(idx), SCALE, chunk=4)
+    check(q, cache, idx, out, lse)
+    out, lse = sm.sparse_mla_reference(q[:0], cache, paddle.to_tensor(idx[:0]), SCALE)
+    assert list(out.shape) == [0, 16, 512] and list(lse.shape) == [0, 16]
+
+
+def test_bad_inputs_named(rng):
+    q, cache, idx = make_case(rng, 2, 16, 64)
+    with pytest.raises(ValueError, match="q must be"):
+        sm.sparse_mla_attention(q[..., :512], cache, paddle.to_tensor(idx), SCALE, provider="reference")
+    with pytest.raises(ValueError, match="kv_cache"):
+        sm.sparse_mla_attention(q, cache.astype("int32"), paddle.to_tensor(idx), SCALE, provider="reference")
+    with pytest.raises(ValueError, match="indices"):
+        sm.sparse_mla_attention(q, cache, paddle.to_tensor(idx[:1]), SCALE, provider="reference")
+    with pytest.raises(ValueError, match="unknown sparse MLA provider"):
+        sm.select_provider("cuda")
+    with pytest.raises(ValueError, match="flash_mla"):
+        sm.select_provider("flashmla")
+
+
+def test_auto_selection_is_made_once_and_logged(monkeypatch, caplog):
+    monkeypatch.setattr(sm, "_chosen", None)
+    monkeypatch.setenv("FD_SPARSE_MLA_PROVIDER", "auto")
+    with caplog.at_level("INFO", logger="fastdeploy"):
+        assert sm.select_provider() == "reference"  # interpreter mode is not a GPU
+        assert sm.select_provider("auto") == "reference"
+    assert sum("provider: reference" in r.message for r in caplog.records) == 1
+    monkeypatch.setattr(sm, "_chosen", None)
+    monkeypatch.setenv("FD_SPARSE_MLA_PROVIDER", "triton")
+    assert sm.select_provider() == "triton"
+    monkeypatch.setattr(sm, "_chosen", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA"):
+        sm.select_provider()
+    monkeypatch.setattr(sm, "_chosen", None)
+
+
+# ---------------------------------------------------------------- FlashMLA, faked
+
+
+def _fake_flash_mla(calls):
+    """A stand-in with FlashMLA's sparse contract (DESIGN.md §7) that checks its inputs."""
+
+    def attend(q, kv, idx, scale):  # q [s, h, 576], kv [S, 576] float64, idx [s, topk]
+        out, lse = sparse_mla_np(q.double().numpy(), kv, idx.numpy(), scale)
+        return torch.from_numpy(out).to(torch.bfloat16), torch.from_numpy(lse).float()
+
+    def get_mla_metadata():
+        return ("sched", None)
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                               softmax_scale, causal, is_fp8_kvcache, indices, num_splits=None):  # fmt: skip
+        assert q.dim() == 4 and q.shape[0] == 1 and q.shape[2] in (64, 128) and q.dtype == torch.bfloat16
+        assert k_cache.dtype == torch.uint8 and k_cache.shape[-1] == 656 and is_fp8_kvcache and not causal
+        assert indices.shape[-1] % 64 == 0 and bool(((indices >= 0) | (indices == -1)).all())
+        assert block_table is None and cache_seqlens is None and head_dim_v == 512
+        assert tile_scheduler_metadata == "sched" and num_splits is None
+        calls.append("decode")
+        kv = dequant_records(k_cache.reshape(-1, 656).numpy())
+        out, lse = attend(q[0], kv, indices[0], softmax_scale)
+        return out[None], lse.T[None].contiguous()  # lse [b, h, s_q]
+
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v):
+        assert q.dim() == 3 and q.shape[1] in (64, 128) and kv.dtype == torch.bfloat16 and kv.shape[1:] == (1, 576)
+        assert indices.shape[1] == 1 and indices.shape[2] % 128 == 0 and d_v == 512
+        assert bool((indices < kv.shape[0]).all())
+        calls.append("prefill")
+        out, lse = attend(q, kv[:, 0].double().numpy(), indices[:, 0], sm_scale)
+        return out, None, lse
+
+    return types.SimpleNamespace(
+        get_mla_metadata=get_mla_metadata,
+        flash_mla_with_kvcache=flash_mla_with_kvcache,
+        flash_mla_sparse_fwd=flash_mla_sparse_fwd,
+    )
+
+
+@pytest.mark.parametrize("is_prefill", [False, True])
+@pytest.mark.parametrize("H", [16, 128])
+def test_flashmla_provider_pads_and_slices(is_prefill, H, rng, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_mla", _fake_flash_mla(calls))
+    assert sm.select_provider("flashmla") == "flashmla"
+    q, cache, idx = make_case(rng, 6, H, 72)
+    idx[4, 0] = -7  # any negative becomes -1 before FlashMLA sees it
+    out, lse = sm.sparse_mla_attention(
+        q, cache, paddle.to_tensor(idx), SCALE, provider="flashmla", is_prefill=is_prefill
+    )
+    assert calls == ["prefill" if is_prefill else "decode"]
+    check(q, cache, idx, out, lse)
+
+
+def test_flashmla_head_limit():
+    with pytest.raises(ValueError, match="128 heads"):
+        sm._pad_heads(256)
+    assert sm.topk_multiple("flashmla", True) == 128 and sm.topk_multiple("triton", True) == 1
