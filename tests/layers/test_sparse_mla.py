@@ -59,6 +59,14 @@ def test_providers_match_float64(provider, T, H, topk, rng):
     check(q, cache, idx, out, lse)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 50])
+def test_triton_split_kv(num_splits, rng):
+    q, cache, idx = make_case(rng, 6, 16, 300)
+    idx[5, 64:] = -1  # some splits of this row are empty
+    out, lse = sm.sparse_mla_triton(q, cache, paddle.to_tensor(idx), SCALE, num_splits=num_splits)
+    check(q, cache, idx, out, lse)
+
+
 def test_reference_chunks_and_empty(rng):
     q, cache, idx = make_case(rng, 9, 16, 64)
     out, lse = sm.sparse_mla_reference(q, cache, paddle.to_tensor(idx), SCALE, chunk=4)

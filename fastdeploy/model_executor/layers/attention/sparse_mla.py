@@ -20,7 +20,11 @@ import paddle
 
 from fastdeploy.model_executor.ops.triton_ops.launcher import can_run_triton, interpret_mode
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import RECORD_BYTES, dequant_mla_fp8_cache_ref
-from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import launch_sparse_mla
+from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (
+    default_block_h,
+    default_num_splits,
+    launch_sparse_mla,
+)
 
 logger = logging.getLogger("fastdeploy")
 
@@ -102,12 +106,25 @@ def sparse_mla_attention(
 
 
 def sparse_mla_triton(
-    q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor, softmax_scale: float
+    q: paddle.Tensor,
+    kv_cache: paddle.Tensor,
+    indices: paddle.Tensor,
+    softmax_scale: float,
+    num_splits: int | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """The Triton provider; ``num_splits`` None picks split-KV for small batches."""
     T, H = q.shape[0], q.shape[1]
     out = paddle.empty([T, H, 512], dtype="bfloat16")
     lse = paddle.empty([T, H], dtype="float32")
-    launch_sparse_mla(q.contiguous(), kv_cache, indices.astype("int32").contiguous(), out, lse, softmax_scale)
+    idx = indices.astype("int32").contiguous()
+    if num_splits is None:
+        num_splits = default_num_splits(T, H, idx.shape[1], default_block_h(H), 64)
+    partial = partial_lse = None
+    if num_splits > 1:
+        partial = paddle.empty([T, num_splits, H, 512], dtype="float32")
+        partial_lse = paddle.empty([T, num_splits, H], dtype="float32")
+    launch_sparse_mla(q.contiguous(), kv_cache, idx, out, lse, softmax_scale, num_splits=num_splits,
+                      partial=partial, partial_lse=partial_lse)  # fmt: skip
     return out, lse
 
 

@@ -1,13 +1,15 @@
-"""Sparse MLA attention over the 656-byte FP8 cache (DESIGN.md §4), as a Triton kernel.
+"""Sparse MLA attention over the 656-byte FP8 cache (DESIGN.md §4), as Triton kernels.
 
 For token t and head h: softmax over the valid (>= 0) slots s of indices[t] of
 (q[t, h] . k[s]) * softmax_scale, times the first 512 values of k[s], where k[s] is the
 de-quantized 576-wide record (512 latent, 64 rope). lse is the natural-log sum of the exps; a
 row with no valid slot gives out 0 and lse +inf.
 
-Layout of one program: BLOCK_H heads of one token; it walks the token's index row in tiles of
-BLOCK_N slots with an online softmax (exp2 domain), de-quantizing each gathered tile in
-registers. Masked loads (other=0) never touch an invalid slot's bytes.
+One program: BLOCK_H heads of one token over one split of its index row, walked in tiles of
+BLOCK_N slots with an online softmax (exp2 domain), each gathered tile de-quantized in
+registers. Masked loads (other=0) never touch an invalid slot's bytes. With several splits
+(split-KV, for batches too small to fill the GPU) each split writes a normalised float32 partial
+and its lse (-inf when empty), and ``_combine_kernel`` merges them.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ LN2 = 0.6931471805599453
 @triton.jit
 def _sparse_mla_kernel(
     q_ptr, cache_ptr, idx_ptr, out_ptr, lse_ptr,
-    H, topk, qk_scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    H, topk, tiles_per_split, qk_scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
+    EMPTY_LSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     h_ok = h < H
     d = tl.arange(0, 512)
     r = tl.arange(0, 64)
@@ -41,15 +44,16 @@ def _sparse_mla_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, 512], tl.float32)
     idx_row = idx_ptr + t.to(tl.int64) * topk
-    for start in range(0, topk, BLOCK_N):
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, topk)
+    for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_row + j, mask=j < topk, other=-1)
+        slot = tl.load(idx_row + j, mask=j < hi, other=-1)
         ok = slot >= 0
         rec = cache_ptr + slot.to(tl.int64) * 656
         codes = tl.load(rec[:, None] + d[None, :], mask=ok[:, None], other=0)
-        scale = tl.load(
-            (rec + 512).to(tl.pointer_type(tl.float32))[:, None] + d[None, :] // 128, mask=ok[:, None], other=0.0
-        )
+        scale_ptr = (rec + 512).to(tl.pointer_type(tl.float32))
+        scale = tl.load(scale_ptr[:, None] + d[None, :] // 128, mask=ok[:, None], other=0.0)
         kv = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(DOT_DTYPE)  # [BLOCK_N, 512]
         pe = tl.load((rec + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=ok[:, None], other=0.0)
         pe = pe.to(tl.float32).to(DOT_DTYPE)
@@ -65,43 +69,80 @@ def _sparse_mla_kernel(
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf"))
-    o_row = out_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, EMPTY_LSE)
+    o_row = out_ptr + t.to(tl.int64) * stride_ot + split * stride_os + h[:, None] * stride_oh
     tl.store(o_row + d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
-    tl.store(lse_ptr + t.to(tl.int64) * H + h, lse, mask=h_ok)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_lt + split * stride_ls + h, lse, mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, part_lse_ptr, out_ptr, lse_ptr, H, num_splits,
+    S_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Merge split partials of one (token, head): weights exp(lse_s - max lse), normalised.
+    partials float32 [T, S, H, 512], lse [T, S, H] (-inf = empty) -> out [T, H, 512], lse [T, H]."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_POW2)
+    ls = tl.load(part_lse_ptr + (t * num_splits + s) * H + h, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(ls, axis=0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(ls - m_ref)  # 0 for empty splits
+    total = tl.sum(w, axis=0)
+    inv = tl.where(total > 0, 1.0 / total, 0.0)
+    d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, 512, BLOCK_D):
+        part = tl.load(part_ptr + ((t * num_splits + s[:, None]) * H + h) * 512 + d0 + d[None, :],
+                       mask=(s < num_splits)[:, None], other=0.0)  # fmt: skip
+        o = tl.sum(part * (w * inv)[:, None], axis=0)
+        tl.store(out_ptr + (t * H + h) * 512 + d0 + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + t * H + h, tl.where(total > 0, m_ref + tl.log(total), float("inf")))
+
+
+def default_block_h(H: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(H)))
+
+
+def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, num_sms: int = 132) -> int:
+    """Split the index row when T x head-blocks programs would leave SMs idle; keep >= 2 tiles
+    a split so each split amortises its q load and partial write."""
+    programs = T * triton.cdiv(H, block_h)
+    if programs >= num_sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(topk, 2 * block_n), 32))
 
 
 def launch_sparse_mla(
-    q,
-    cache,
-    indices,
-    out,
-    lse,
-    softmax_scale: float,
-    block_h: int | None = None,
-    block_n: int = 64,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-) -> None:
+    q, cache, indices, out, lse, softmax_scale: float, *, block_h: int | None = None, block_n: int = 64,
+    num_splits: int = 1, partial=None, partial_lse=None, num_warps: int | None = None, num_stages: int | None = None,
+) -> None:  # fmt: skip
     """Framework-neutral launch: q bf16 [T, H, 576] (last dim contiguous), cache uint8
-    [..., 656], indices int32 [T, topk] contiguous, out bf16 [T, H, 512], lse float32 [T, H]."""
+    [..., 656], indices int32 [T, topk] contiguous, out bf16 [T, H, 512], lse float32 [T, H].
+    ``num_splits`` > 1 needs ``partial`` float32 [T, S, H, 512] and ``partial_lse`` [T, S, H]."""
     T, H = int(q.shape[0]), int(q.shape[1])
     topk = int(indices.shape[1])
     if T == 0:
         return
-    if block_h is None:
-        block_h = max(16, min(64, triton.next_power_of_2(H)))
+    block_h = block_h or default_block_h(H)
     stride = (lambda x, i: int(x.strides[i])) if hasattr(q, "strides") else (lambda x, i: x.stride(i))
-    meta = {}
-    if num_warps is not None:
-        meta["num_warps"] = num_warps
-    if num_stages is not None:
-        meta["num_stages"] = num_stages
+    meta = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     # The interpreter computes bf16 wrongly; on GPU, bf16 tensor-core dots (fp32 accumulate).
     dot_dtype = tl.float32 if interpret_mode() else tl.bfloat16
+    n_tiles = triton.cdiv(topk, block_n)
+    num_splits = max(1, min(num_splits, n_tiles))
+    tiles_per_split = triton.cdiv(n_tiles, num_splits)
+    num_splits = triton.cdiv(n_tiles, tiles_per_split)
+    if num_splits == 1:
+        dst, dst_lse, strides, empty = out, lse, (stride(out, 0), 0, stride(out, 1), H, 0), float("inf")
+    else:
+        dst, dst_lse, empty = partial, partial_lse, float("-inf")
+        strides = (num_splits * H * 512, H * 512, 512, num_splits * H, H)
     launch(
-        _sparse_mla_kernel, (T, triton.cdiv(H, block_h)), q, cache, indices, out, lse,
-        H, topk, softmax_scale * LOG2E,
-        stride(q, 0), stride(q, 1), stride(out, 0), stride(out, 1),
-        BLOCK_H=block_h, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, **meta,
+        _sparse_mla_kernel, (T, triton.cdiv(H, block_h), num_splits), q, cache, indices, dst, dst_lse,
+        H, topk, tiles_per_split, softmax_scale * LOG2E, stride(q, 0), stride(q, 1), *strides,
+        EMPTY_LSE=empty, BLOCK_H=block_h, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, **meta,
     )  # fmt: skip
+    if num_splits > 1:
+        launch(_combine_kernel, (T, H), partial, partial_lse, out, lse, H, num_splits,
+               S_POW2=triton.next_power_of_2(num_splits), BLOCK_D=128)  # fmt: skip
