@@ -295,10 +295,10 @@ def fp8_write_case(T, g, ceil):
 VARIANTS = [
     {"block_h": 16, "num_warps": 4},
     {"block_h": 32, "num_warps": 4},
-    {"block_h": 32, "num_warps": 8},
     {"block_h": 64, "num_warps": 8},
-    {"block_h": 64, "num_warps": 8, "num_stages": 1},
-    {"block_h": 64, "block_n": 32, "num_warps": 4},
+    {"block_h": 64, "num_warps": 4},
+    {"block_h": 64, "block_n": 32, "num_warps": 8},
+    {"block_h": 64, "num_warps": 8, "num_stages": 2},
 ]
 
 

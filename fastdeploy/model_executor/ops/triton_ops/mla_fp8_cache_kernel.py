@@ -14,6 +14,9 @@ RECORD_BYTES = 656
 LATENT, ROPE, TILE, N_TILES = 512, 64, 128, 4
 SCALE_OFFSET, ROPE_OFFSET = 512, 528
 FP8_MAX = 448.0
+# the same numbers as constexpr globals, which is how a jit'ed function may read them
+_REC, _LAT, _ROPE, _TILE, _NT = (tl.constexpr(v) for v in (RECORD_BYTES, LATENT, ROPE, TILE, N_TILES))
+_SC_OFF, _PE_OFF, _FMAX = tl.constexpr(SCALE_OFFSET), tl.constexpr(ROPE_OFFSET), tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -54,22 +57,22 @@ def _write_kernel(
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)
     ok = slot >= 0
-    tile = tl.arange(0, N_TILES)
-    col = tl.arange(0, TILE)
-    lat_off = tile[None, :, None] * TILE + col[None, None, :]  # [1, 4, 128]
+    tile = tl.arange(0, _NT)
+    col = tl.arange(0, _TILE)
+    lat_off = tile[None, :, None] * _TILE + col[None, None, :]  # [1, 4, 128]
     x = tl.load(kv_c_ptr + t[:, None, None].to(tl.int64) * stride_kv + lat_off, mask=ok[:, None, None], other=0.0).to(
         tl.float32
     )
     amax = tl.max(tl.abs(x), axis=2)  # [BLOCK_T, 4]
-    scale = tl.where(amax > 0, _pow2_ceil(amax / FP8_MAX), 1.0)
-    q = tl.minimum(tl.maximum(x / scale[:, :, None], -FP8_MAX), FP8_MAX)
-    rec = cache_ptr + slot * RECORD_BYTES  # [BLOCK_T] uint8 pointers
+    scale = tl.where(amax > 0, _pow2_ceil(amax / _FMAX), 1.0)
+    q = tl.minimum(tl.maximum(x / scale[:, :, None], -_FMAX), _FMAX)
+    rec = cache_ptr + slot * _REC  # [BLOCK_T] uint8 pointers
     tl.store(rec[:, None, None] + lat_off, _e4m3_byte(q), mask=ok[:, None, None])
-    scale_ptr = (rec + SCALE_OFFSET).to(tl.pointer_type(tl.float32))
+    scale_ptr = (rec + _SC_OFF).to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr[:, None] + tile[None, :], scale, mask=ok[:, None])
-    r = tl.arange(0, ROPE)
+    r = tl.arange(0, _ROPE)
     pe = tl.load(k_pe_ptr + t[:, None].to(tl.int64) * stride_pe + r[None, :], mask=ok[:, None], other=0.0)
-    rope_ptr = (rec + ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16))
+    rope_ptr = (rec + _PE_OFF).to(tl.pointer_type(tl.bfloat16))
     tl.store(rope_ptr[:, None] + r[None, :], pe.to(tl.bfloat16), mask=ok[:, None])
 
 
@@ -78,18 +81,18 @@ def _dequant_kernel(rec_ptr, out_ptr, N, BLOCK_N: tl.constexpr):
     """records uint8 [N, 656] -> bf16 [N, 576]; one program handles BLOCK_N records."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = n < N
-    rec = rec_ptr + n.to(tl.int64) * RECORD_BYTES
-    dst = out_ptr + n.to(tl.int64) * (LATENT + ROPE)
-    tile = tl.arange(0, N_TILES)
-    col = tl.arange(0, TILE)
-    lat_off = tile[None, :, None] * TILE + col[None, None, :]
+    rec = rec_ptr + n.to(tl.int64) * _REC
+    dst = out_ptr + n.to(tl.int64) * (_LAT + _ROPE)
+    tile = tl.arange(0, _NT)
+    col = tl.arange(0, _TILE)
+    lat_off = tile[None, :, None] * _TILE + col[None, None, :]
     codes = tl.load(rec[:, None, None] + lat_off, mask=ok[:, None, None], other=0)
     vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    scale = tl.load((rec + SCALE_OFFSET).to(tl.pointer_type(tl.float32))[:, None] + tile[None, :], mask=ok[:, None])
+    scale = tl.load((rec + _SC_OFF).to(tl.pointer_type(tl.float32))[:, None] + tile[None, :], mask=ok[:, None])
     tl.store(dst[:, None, None] + lat_off, (vals * scale[:, :, None]).to(tl.bfloat16), mask=ok[:, None, None])
-    r = tl.arange(0, ROPE)
-    pe = tl.load((rec + ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=ok[:, None])
-    tl.store(dst[:, None] + LATENT + r[None, :], pe, mask=ok[:, None])
+    r = tl.arange(0, _ROPE)
+    pe = tl.load((rec + _PE_OFF).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=ok[:, None])
+    tl.store(dst[:, None] + _LAT + r[None, :], pe, mask=ok[:, None])
 
 
 def launch_write_mla_fp8_cache(kv_c, k_pe, slot_mapping, cache, block_t: int = 8) -> None:

@@ -126,7 +126,8 @@ def launch_sparse_mla(
         return
     block_h = block_h or default_block_h(H)
     stride = (lambda x, i: int(x.strides[i])) if hasattr(q, "strides") else (lambda x, i: x.stride(i))
-    meta = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    # defaults that fit sm_90's 227 KB of shared memory (benchmarks/kernel_resources.py)
+    meta = {"num_warps": num_warps or (8 if block_h >= 64 else 4), "num_stages": num_stages or 1}
     # The interpreter computes bf16 wrongly; on GPU, bf16 tensor-core dots (fp32 accumulate).
     dot_dtype = tl.float32 if interpret_mode() else tl.bfloat16
     n_tiles = triton.cdiv(topk, block_n)
