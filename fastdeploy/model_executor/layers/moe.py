@@ -1,0 +1,86 @@
+"""The dense MLP and DeepSeek-V3's MoE block (sigmoid scoring, bias-corrected group-limited
+top-k, normalised and scaled routing weights, shared experts)."""
+
+from __future__ import annotations
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fastdeploy.config import ModelConfig
+from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(nn.Layer):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int, dtype: str) -> None:
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden, inter, dtype=dtype)
+        self.up_proj = ColumnParallelLinear(hidden, inter, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, dtype=dtype)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEGate(nn.Layer):
+    """Router: [T, hidden] -> (expert ids int64 [T, k], weights float32 [T, k])."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str) -> None:
+        super().__init__()
+        if cfg.scoring_func != "sigmoid" or cfg.topk_method != "noaux_tc":
+            raise ValueError(
+                f"config keys 'scoring_func'={cfg.scoring_func!r} / 'topk_method'={cfg.topk_method!r}: only "
+                "'sigmoid' / 'noaux_tc' (DeepSeek-V3) are supported"
+            )
+        if cfg.n_routed_experts % cfg.n_group:
+            raise ValueError(f"config key 'n_group'={cfg.n_group} must divide n_routed_experts={cfg.n_routed_experts}")
+        self.cfg = cfg
+        self.weight = self.create_parameter([cfg.n_routed_experts, cfg.hidden_size], dtype=dtype)
+        self.e_score_correction_bias = self.create_parameter([cfg.n_routed_experts], dtype="float32", is_bias=True)
+
+    def forward(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        c = self.cfg
+        T = x.shape[0]
+        scores = F.sigmoid(paddle.matmul(x.astype("float32"), self.weight.astype("float32"), transpose_y=True))
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.reshape([T, c.n_group, -1])
+        group_scores = paddle.topk(grouped, k=min(2, grouped.shape[-1]), axis=-1)[0].sum(axis=-1)
+        top_groups = paddle.topk(group_scores, k=c.topk_group, axis=-1)[1]
+        group_mask = paddle.zeros([T, c.n_group], "float32")
+        group_mask = paddle.put_along_axis(group_mask, top_groups, 1.0, axis=1)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape([T, -1])
+        masked = paddle.where(expert_mask > 0, choice, paddle.full_like(choice, float("-inf")))
+        ids = paddle.topk(masked, k=c.num_experts_per_tok, axis=-1)[1]
+        w = paddle.take_along_axis(scores, ids, axis=1)
+        if c.num_experts_per_tok > 1 and c.norm_topk_prob:
+            w = w / (w.sum(axis=-1, keepdim=True) + 1e-20)
+        return ids, w * c.routed_scaling_factor
+
+
+class DeepseekV3MoE(nn.Layer):
+    def __init__(self, cfg: ModelConfig, dtype: str) -> None:
+        super().__init__()
+        self.gate = MoEGate(cfg, dtype)
+        self.experts = nn.LayerList(
+            [MLP(cfg.hidden_size, cfg.moe_intermediate_size, dtype) for _ in range(cfg.n_routed_experts)]
+        )
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
+            if cfg.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        ids, w = self.gate(x)
+        out = paddle.zeros([x.shape[0], x.shape[1]], "float32")
+        flat_ids = ids.flatten()
+        for e in paddle.unique(flat_ids).tolist():  # one batched call per expert that has tokens
+            hit = paddle.nonzero(flat_ids == e).flatten()
+            tok = hit // ids.shape[1]
+            y = self.experts[e](x[tok]).astype("float32") * w.flatten()[hit].unsqueeze(-1)
+            out = paddle.index_add(out, tok, 0, y)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x).astype("float32")
+        return out.astype(x.dtype)

@@ -1,0 +1,84 @@
+"""Load Hugging Face safetensors checkpoints (one file or index-sharded) into the model.
+
+DeepSeek-V3 names map one to one onto the model's parameter names. FP8 e4m3 weights with a
+``<name>_scale_inv`` tensor (one float32 per 128 x 128 block) are de-quantized at load.
+Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import paddle
+from tqdm import tqdm
+
+from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, SafeTensorsFile
+
+FP8_BLOCK = 128
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model; the message names the tensor."""
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, s) for s in shards]
+    else:
+        files = sorted(os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise CheckpointError(f"checkpoint shard {os.path.basename(missing[0])} listed in the index is missing")
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def dequant_fp8_block(codes: np.ndarray, scale_inv: np.ndarray, name: str) -> np.ndarray:
+    """e4m3 codes [out, in] x scale_inv [ceil(out/128), ceil(in/128)] -> float32 [out, in]."""
+    rows, cols = codes.shape
+    want = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
+    if scale_inv.shape != want:
+        raise CheckpointError(f"tensor {name}_scale_inv has shape {scale_inv.shape}, expected {want} for {name}")
+    full = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
+    return E4M3_TO_F32[codes] * full
+
+
+def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int, show_progress: bool = True) -> None:
+    """Copy every checkpoint tensor into the parameter of the same name; errors name the tensor."""
+    params = dict(model.named_parameters())
+    sources: dict[str, SafeTensorsFile] = {}
+    for path in checkpoint_files(model_dir):
+        f = SafeTensorsFile(path)
+        for k in f.keys():
+            sources[k] = f
+    mtp = re.compile(r"model\.layers\.(\d+)\.")
+    names = []
+    for k in sources:
+        m = mtp.match(k)
+        if k.endswith("_scale_inv") or (m and int(m.group(1)) >= num_hidden_layers):
+            continue
+        if k not in params:
+            raise CheckpointError(f"unexpected tensor {k} in the checkpoint (no such parameter in the model)")
+        names.append(k)
+    missing = sorted(set(params) - set(names))
+    if missing:
+        raise CheckpointError(f"tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing)")
+    for k in tqdm(sorted(names), desc="loading weights", unit="tensor", disable=not show_progress):
+        f = sources[k]
+        p = params[k]
+        if tuple(f.shape(k)) != tuple(p.shape):
+            raise CheckpointError(f"tensor {k} has shape {list(f.shape(k))}, the model expects {list(p.shape)}")
+        x = f.get(k)
+        if f.dtype(k) == "F8_E4M3":
+            s = k + "_scale_inv"
+            if s not in sources:
+                raise CheckpointError(f"FP8 tensor {k} has no {s}")
+            x = dequant_fp8_block(x, sources[s].get(s), k)
+        p.set_value(paddle.to_tensor(x.astype(np.float32)).astype(p.dtype))

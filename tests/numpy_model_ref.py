@@ -1,0 +1,134 @@
+"""An independent float64 numpy DeepSeek-V3, written from the model's math: no paging, no
+weight absorption, plain softmax(QK^T)V with a causal mask and an optional per-layer window."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fastdeploy.model_executor.safetensors_io import SafeTensorsFile
+
+
+def load_np(model_dir: str) -> dict[str, np.ndarray]:
+    f = SafeTensorsFile(f"{model_dir}/model.safetensors")
+    return {k: f.get(k).astype(np.float64) for k in f.keys()}
+
+
+def rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def rope_angles(positions, dim, base, rs):
+    """Angles [T, dim/2] of YaRN-scaled rotary and its cos/sin multiplier."""
+    inv = base ** (-np.arange(0, dim, 2) / dim)
+    mult = 1.0
+    if rs:
+        f = rs["factor"]
+        orig = rs["original_max_position_embeddings"]
+
+        def corr(rot):
+            return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        lo = max(math.floor(corr(rs["beta_fast"])), 0)
+        hi = min(math.ceil(corr(rs["beta_slow"])), dim - 1)
+        ramp = np.clip((np.arange(dim // 2) - lo) / (hi - lo + (0.001 if lo == hi else 0)), 0, 1)
+        inv = inv / f * ramp + inv * (1 - ramp)
+
+        def msc(m):
+            return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1
+
+        mult = msc(rs.get("mscale", 1)) / msc(rs.get("mscale_all_dim", 0))
+    return np.outer(positions, inv), mult
+
+
+def rotate_pairs(x, ang, mult):
+    """Rotate interleaved pairs (x[2i], x[2i+1]) by ang[..., i]; x [..., T, (H,) dim]."""
+    c, s = np.cos(ang) * mult, np.sin(ang) * mult
+    if x.ndim == 3:
+        c, s = c[:, None], s[:, None]
+    e, o = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = e * c - o * s
+    out[..., 1::2] = o * c + e * s
+    return out
+
+
+def moe(x, w, p, cfg):
+    logits = x @ w[p + "gate.weight"].T
+    scores = 1 / (1 + np.exp(-logits))
+    choice = scores + w[p + "gate.e_score_correction_bias"]
+    T, E = scores.shape
+    g = cfg["n_group"]
+    grouped = choice.reshape(T, g, E // g)
+    gs = np.sort(grouped, -1)[..., -2:].sum(-1)
+    out = np.zeros_like(x)
+    for t in range(T):
+        groups = np.argsort(-gs[t], kind="stable")[: cfg["topk_group"]]
+        allowed = np.zeros(E, bool)
+        for gi in groups:
+            allowed[gi * (E // g) : (gi + 1) * (E // g)] = True
+        masked = np.where(allowed, choice[t], -np.inf)
+        ids = np.argsort(-masked, kind="stable")[: cfg["num_experts_per_tok"]]
+        wt = scores[t, ids]
+        if cfg["num_experts_per_tok"] > 1 and cfg["norm_topk_prob"]:
+            wt = wt / (wt.sum() + 1e-20)
+        wt = wt * cfg["routed_scaling_factor"]
+        for e, we in zip(ids, wt, strict=True):
+            out[t] += we * mlp(x[t : t + 1], w, f"{p}experts.{e}.")[0]
+    if cfg.get("n_shared_experts"):
+        out += mlp(x, w, p + "shared_experts.")
+    return out
+
+
+def mlp(x, w, p):
+    return (silu(x @ w[p + "gate_proj.weight"].T) * (x @ w[p + "up_proj.weight"].T)) @ w[p + "down_proj.weight"].T
+
+
+def forward(w: dict, cfg: dict, ids: list[int], windows: list[int | None] | None = None) -> np.ndarray:
+    """Logits float64 [T, vocab] for one sequence; windows[l] = W of layer l (None: full)."""
+    T = len(ids)
+    H, nope, rope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    eps = cfg["rms_norm_eps"]
+    rs = cfg.get("rope_scaling")
+    scale = (nope + rope) ** -0.5
+    if rs and rs.get("mscale_all_dim"):
+        m = 0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1
+        scale *= m * m
+    ang, mult = rope_angles(np.arange(T), rope, cfg["rope_theta"], rs)
+    x = w["model.embed_tokens.weight"][ids]
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        a = p + "self_attn."
+        h = rms(x, w[p + "input_layernorm.weight"], eps)
+        if cfg.get("q_lora_rank"):
+            q = rms(h @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], eps) @ w[a + "q_b_proj.weight"].T
+        else:
+            q = h @ w[a + "q_proj.weight"].T
+        q = q.reshape(T, H, nope + rope)
+        kv_a = h @ w[a + "kv_a_proj_with_mqa.weight"].T
+        kv_c = rms(kv_a[:, :512], w[a + "kv_a_layernorm.weight"], eps)
+        k_pe = rotate_pairs(kv_a[:, 512:], ang, mult)
+        q_pe = rotate_pairs(q[:, :, nope:], ang, mult)
+        kv = (kv_c @ w[a + "kv_b_proj.weight"].T).reshape(T, H, nope + v)
+        k = np.concatenate([kv[:, :, :nope], np.broadcast_to(k_pe[:, None], (T, H, rope))], -1)
+        qq = np.concatenate([q[:, :, :nope], q_pe], -1)
+        s = np.einsum("thd,shd->hts", qq, k) * scale
+        W = windows[layer] if windows else None
+        mask = (j <= i) & ((j > i - W) if W else True)
+        s = np.where(mask[None], s, -np.inf)
+        pr = np.exp(s - s.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        o = np.einsum("hts,shv->thv", pr, kv[:, :, nope:]).reshape(T, H * v)
+        x = x + o @ w[a + "o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        if cfg.get("n_routed_experts") and layer >= cfg["first_k_dense_replace"]:
+            x = x + moe(h, w, p + "mlp.", cfg)
+        else:
+            x = x + mlp(h, w, p + "mlp.")
+    return rms(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
