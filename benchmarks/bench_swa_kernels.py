@@ -293,12 +293,14 @@ def fp8_write_case(T, g, ceil):
 
 
 VARIANTS = [
-    {"block_h": 16, "num_warps": 4},
-    {"block_h": 32, "num_warps": 4},
-    {"block_h": 64, "num_warps": 8},
-    {"block_h": 64, "num_warps": 4},
+    {"block_h": 16, "block_n": 16, "num_warps": 4},
+    {"block_h": 16, "block_n": 32, "num_warps": 4},
+    {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2},
+    {"block_h": 32, "block_n": 32, "num_warps": 4},
+    {"block_h": 64, "block_n": 16, "num_warps": 4},
     {"block_h": 64, "block_n": 32, "num_warps": 8},
-    {"block_h": 64, "num_warps": 8, "num_stages": 2},
+    {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
+    {"block_h": 64, "block_n": 64, "num_warps": 8},
 ]
 
 

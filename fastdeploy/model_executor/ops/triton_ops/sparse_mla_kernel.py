@@ -24,25 +24,48 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _load_latent_chunk(rec, ok, c: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """De-quantize latent values 128*c .. 128*c+127 of BLOCK_N gathered records -> [BLOCK_N, 128].
+    Chunks follow the record's scale tiles, so each row needs one scale per chunk."""
+    col = tl.arange(0, 128)
+    codes = tl.load(rec[:, None] + (c * 128 + col)[None, :], mask=ok[:, None], other=0)
+    scale = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + c, mask=ok, other=0.0)
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DOT_DTYPE)
+
+
+@triton.jit
+def _load_q_chunk(q_row, h_ok, off: tl.constexpr, width: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    col = tl.arange(0, width)
+    return tl.load(q_row + off + col[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr, cache_ptr, idx_ptr, out_ptr, lse_ptr,
     H, topk, tiles_per_split, qk_scale_log2,
     stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
     EMPTY_LSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
+    """The 512 latent columns are handled as 4 chunks of 128 (q0..q3, kv0..kv3, acc0..acc3):
+    gathers then need one scale per row and chunk, and address tensors stay [BLOCK_N, 128]."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     h_ok = h < H
-    d = tl.arange(0, 512)
-    r = tl.arange(0, 64)
     q_row = q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh
-    q_nope = tl.load(q_row + d[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
-    q_pe = tl.load(q_row + 512 + r[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+    q0 = _load_q_chunk(q_row, h_ok, 0, 128, DOT_DTYPE)
+    q1 = _load_q_chunk(q_row, h_ok, 128, 128, DOT_DTYPE)
+    q2 = _load_q_chunk(q_row, h_ok, 256, 128, DOT_DTYPE)
+    q3 = _load_q_chunk(q_row, h_ok, 384, 128, DOT_DTYPE)
+    q_pe = _load_q_chunk(q_row, h_ok, 512, 64, DOT_DTYPE)
+    r = tl.arange(0, 64)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, 512], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
     idx_row = idx_ptr + t.to(tl.int64) * topk
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, topk)
@@ -51,27 +74,39 @@ def _sparse_mla_kernel(
         slot = tl.load(idx_row + j, mask=j < hi, other=-1)
         ok = slot >= 0
         rec = cache_ptr + slot.to(tl.int64) * 656
-        codes = tl.load(rec[:, None] + d[None, :], mask=ok[:, None], other=0)
-        scale_ptr = (rec + 512).to(tl.pointer_type(tl.float32))
-        scale = tl.load(scale_ptr[:, None] + d[None, :] // 128, mask=ok[:, None], other=0.0)
-        kv = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(DOT_DTYPE)  # [BLOCK_N, 512]
         pe = tl.load((rec + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=ok[:, None], other=0.0)
-        pe = pe.to(tl.float32).to(DOT_DTYPE)
-        s = tl.dot(q_nope, tl.trans(kv)) + tl.dot(q_pe, tl.trans(pe))  # [BLOCK_H, BLOCK_N] fp32
+        s = tl.dot(q_pe, tl.trans(pe.to(tl.float32).to(DOT_DTYPE)))  # [BLOCK_H, BLOCK_N] fp32
+        kv0 = _load_latent_chunk(rec, ok, 0, DOT_DTYPE)
+        s = tl.dot(q0, tl.trans(kv0), s)
+        kv1 = _load_latent_chunk(rec, ok, 1, DOT_DTYPE)
+        s = tl.dot(q1, tl.trans(kv1), s)
+        kv2 = _load_latent_chunk(rec, ok, 2, DOT_DTYPE)
+        s = tl.dot(q2, tl.trans(kv2), s)
+        kv3 = _load_latent_chunk(rec, ok, 3, DOT_DTYPE)
+        s = tl.dot(q3, tl.trans(kv3), s)
         s = tl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep exps at 0
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv)
+        p = p.to(DOT_DTYPE)
+        acc0 = tl.dot(p, kv0, acc0 * alpha[:, None])
+        acc1 = tl.dot(p, kv1, acc1 * alpha[:, None])
+        acc2 = tl.dot(p, kv2, acc2 * alpha[:, None])
+        acc3 = tl.dot(p, kv3, acc3 * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, EMPTY_LSE)
     o_row = out_ptr + t.to(tl.int64) * stride_ot + split * stride_os + h[:, None] * stride_oh
-    tl.store(o_row + d[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+    col = tl.arange(0, 128)[None, :]
+    o_ty = out_ptr.dtype.element_ty
+    tl.store(o_row + col, (acc0 * inv[:, None]).to(o_ty), mask=h_ok[:, None])
+    tl.store(o_row + 128 + col, (acc1 * inv[:, None]).to(o_ty), mask=h_ok[:, None])
+    tl.store(o_row + 256 + col, (acc2 * inv[:, None]).to(o_ty), mask=h_ok[:, None])
+    tl.store(o_row + 384 + col, (acc3 * inv[:, None]).to(o_ty), mask=h_ok[:, None])
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + split * stride_ls + h, lse, mask=h_ok)
 
 
