@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import launch_write_mla_fp8_cache  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa: E402
-    default_block_h,
     default_num_splits,
     launch_sparse_mla,
+    tuned_config,
 )
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer_kernel import launch_swa_indexer  # noqa: E402
 
@@ -177,16 +177,15 @@ def sparse_case(T, H, W, prefill, g, ceil, variants=None, check_tokens=64):
     # correctness on a subset of tokens vs float32 torch
     sub = slice(0, min(T, check_tokens))
     ref_o, ref_l = sparse_mla_torch(q[sub], cache, idx[sub], SCALE)
-    block_h = default_block_h(H)
-    configs = variants or [{}]
+    configs = variants or [tuned_config(T, H)]
     rows = []
     n_rot = rotation(nbytes)
     qs = [q] + [q.clone() for _ in range(n_rot - 1)]
     caches = [cache] + [cache.clone() for _ in range(n_rot - 1)]
     naive_ms = None
     for cfg in configs:
-        bh = cfg.get("block_h", block_h)
-        bn = cfg.get("block_n", 64)
+        bh = cfg["block_h"]
+        bn = cfg["block_n"]
         ns = cfg.get("num_splits", default_num_splits(T, H, topk, bh, bn))
         part = torch.empty(T, ns, H, 512, device=DEV) if ns > 1 else None
         part_l = torch.empty(T, ns, H, device=DEV) if ns > 1 else None

@@ -54,10 +54,11 @@ def cases():
            "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_os": "i32", "stride_oh": "i32",
            "stride_lt": "i32", "stride_ls": "i32", "EMPTY_LSE": "constexpr", "BLOCK_H": "constexpr",
            "BLOCK_N": "constexpr", "DOT_DTYPE": "constexpr"}  # fmt: skip
-    for bh in (16, 32, 64):  # the launcher's defaults for each head block
-        const = {"EMPTY_LSE": float("inf"), "BLOCK_H": bh, "BLOCK_N": 64, "DOT_DTYPE": tl.bfloat16}
-        opts = {"num_warps": 8 if bh >= 64 else 4, "num_stages": 1}
-        yield f"sparse_mla h{bh} n64", sparse._sparse_mla_kernel, sig, const, opts
+    for tuned in (sparse.TUNED_WIDE, sparse.TUNED_NARROW):  # the recorded tunings
+        bh, bn = tuned["block_h"], tuned["block_n"]
+        const = {"EMPTY_LSE": float("inf"), "BLOCK_H": bh, "BLOCK_N": bn, "DOT_DTYPE": tl.bfloat16}
+        opts = {"num_warps": tuned["num_warps"], "num_stages": tuned["num_stages"]}
+        yield f"sparse_mla h{bh} n{bn}", sparse._sparse_mla_kernel, sig, const, opts
     yield "sparse_mla_combine", sparse._combine_kernel, {
         "part_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32",
         "num_splits": "i32", "S_POW2": "constexpr", "BLOCK_D": "constexpr"},\

@@ -21,9 +21,9 @@ import paddle
 from fastdeploy.model_executor.ops.triton_ops.launcher import can_run_triton, interpret_mode
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import RECORD_BYTES, dequant_mla_fp8_cache_ref
 from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (
-    default_block_h,
     default_num_splits,
     launch_sparse_mla,
+    tuned_config,
 )
 
 logger = logging.getLogger("fastdeploy")
@@ -118,7 +118,8 @@ def sparse_mla_triton(
     lse = paddle.empty([T, H], dtype="float32")
     idx = indices.astype("int32").contiguous()
     if num_splits is None:
-        num_splits = default_num_splits(T, H, idx.shape[1], default_block_h(H), 64)
+        cfg = tuned_config(T, H)
+        num_splits = default_num_splits(T, H, idx.shape[1], cfg["block_h"], cfg["block_n"])
     partial = partial_lse = None
     if num_splits > 1:
         partial = paddle.empty([T, num_splits, H, 512], dtype="float32")

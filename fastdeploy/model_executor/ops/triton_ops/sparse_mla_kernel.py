@@ -135,8 +135,16 @@ def _combine_kernel(
     tl.store(lse_ptr + t * H + h, tl.where(total > 0, m_ref + tl.log(total), float("inf")))
 
 
-def default_block_h(H: int) -> int:
-    return max(16, min(64, triton.next_power_of_2(H)))
+# Tuned on an H200 (benchmarks/bench_swa_kernels.py --variants, 2026-12-02, triton 3.6): 64-head
+# tiles of 64 slots win wherever there are 64+ heads or too few programs to fill the SMs; 16-head
+# tiles of 32 slots with 2 stages win for many-token batches of few heads.
+TUNED_WIDE = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1}
+TUNED_NARROW = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
+
+
+def tuned_config(T: int, H: int, num_sms: int = 132) -> dict:
+    """Tile shape and launch options for T tokens of H heads (the recorded tuning, not a search)."""
+    return TUNED_WIDE if H >= 64 or T * triton.cdiv(H, 16) < num_sms else TUNED_NARROW
 
 
 def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, num_sms: int = 132) -> int:
@@ -149,7 +157,7 @@ def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, nu
 
 
 def launch_sparse_mla(
-    q, cache, indices, out, lse, softmax_scale: float, *, block_h: int | None = None, block_n: int = 64,
+    q, cache, indices, out, lse, softmax_scale: float, *, block_h: int | None = None, block_n: int | None = None,
     num_splits: int = 1, partial=None, partial_lse=None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> None:  # fmt: skip
     """Framework-neutral launch: q bf16 [T, H, 576] (last dim contiguous), cache uint8
@@ -159,10 +167,10 @@ def launch_sparse_mla(
     topk = int(indices.shape[1])
     if T == 0:
         return
-    block_h = block_h or default_block_h(H)
+    tuned = tuned_config(T, H)
+    block_h, block_n = block_h or tuned["block_h"], block_n or tuned["block_n"]
     stride = (lambda x, i: int(x.strides[i])) if hasattr(q, "strides") else (lambda x, i: x.stride(i))
-    # defaults that fit sm_90's 227 KB of shared memory (benchmarks/kernel_resources.py)
-    meta = {"num_warps": num_warps or (8 if block_h >= 64 else 4), "num_stages": num_stages or 1}
+    meta = {"num_warps": num_warps or tuned["num_warps"], "num_stages": num_stages or tuned["num_stages"]}
     # The interpreter computes bf16 wrongly; on GPU, bf16 tensor-core dots (fp32 accumulate).
     dot_dtype = tl.float32 if interpret_mode() else tl.bfloat16
     n_tiles = triton.cdiv(topk, block_n)
