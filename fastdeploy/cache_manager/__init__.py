@@ -1,0 +1,1 @@
+"""KV cache block allocation and prefix caching."""

@@ -1,0 +1,1 @@
+"""Engine: requests, sampling parameters and the step loop."""

@@ -1,0 +1,161 @@
+"""LLMEngine: requests in, one scheduler step and one model step at a time, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastdeploy.cache_manager.block_manager import BlockManager
+from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from fastdeploy.engine.request import Request, RequestOutput
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
+from fastdeploy.scheduler.scheduler import Scheduler
+from fastdeploy.tools.make_tiny_model import resolve_model
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+
+logger = logging.getLogger("fastdeploy")
+
+
+@dataclass
+class EngineArgs:
+    """The engine's settings; field names are the CLI flags (``--max-num-seqs`` ...)."""
+
+    model: str = "tiny-mla-swa"
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 64
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def create_config(self) -> FDConfig:
+        model_dir = resolve_model(self.model)
+        return FDConfig(
+            ModelConfig.from_pretrained(model_dir),
+            CacheConfig(self.block_size, self.num_gpu_blocks_override, self.gpu_memory_utilization,
+                        self.kv_cache_dtype, self.enable_prefix_caching),
+            SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
+                            self.max_model_len),
+            ParallelConfig(self.tensor_parallel_size),
+        )  # fmt: skip
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.config = args.create_config()
+        mc = self.config.model_config
+        self.tokenizer = Tokenizer(mc.model_dir)
+        self.runner = GPUModelRunner(self.config, args.dtype)
+        sc = self.config.scheduler_config
+        capacity = self.runner.num_blocks * self.runner.block_size
+        if capacity < sc.max_model_len:
+            raise ValueError(
+                f"max_model_len={sc.max_model_len} needs more KV cache than the {self.runner.num_blocks} blocks "
+                f"({capacity} tokens) available; lower --max-model-len or raise --num-gpu-blocks-override"
+            )
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                          self.config.cache_config.enable_prefix_caching)  # fmt: skip
+        self.scheduler = Scheduler(sc, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
+        self.num_generated_tokens = 0
+        self.step_listeners: list = []  # callables(request, new_token_ids, now) for metrics
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Queue a prompt (text, or token ids). Raises ValueError naming what is wrong."""
+        if isinstance(prompt, str):
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            ids, text = list(prompt), None
+            vocab = self.config.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids: {bad[0]!r} is not a token id in 0..{vocab - 1}")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        limit = self.config.scheduler_config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is {limit} (prompt plus at least one "
+                             "generated token must fit)")  # fmt: skip
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        req = Request(rid, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        self.requests[rid] = req
+        self.detok[rid] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            req.finish_reason = "abort"
+            self.scheduler.abort(req)
+            req.status = req.status.FINISHED
+        self.detok.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler + model step; outputs of the requests that produced a token."""
+        sched = self.scheduler.schedule()
+        results = self.runner.execute(sched.scheduled)
+        now = time.monotonic()
+        outputs = []
+        for (req, n), res in zip(sched.scheduled, results, strict=True):
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req)
+            if res is None:
+                continue
+            req.output_token_ids.append(res.token_id)
+            if res.top_logprobs is not None:
+                req.output_logprobs.append(res.top_logprobs)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.num_generated_tokens += 1
+            self._check_stop(req)
+            for listener in self.step_listeners:
+                listener(req, now)
+            outputs.append(req.to_output())
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+                self.detok.pop(req.request_id, None)
+        return outputs
+
+    def _check_stop(self, req: Request) -> None:
+        sp = req.sampling_params
+        tok = req.output_token_ids[-1]
+        detok = self.detok[req.request_id]
+        detok.update(req.output_token_ids)
+        req.output_text = detok.text
+        reason = None
+        if not sp.ignore_eos and tok in req.eos_token_ids:
+            reason = "stop"
+        elif tok in sp.stop_token_ids:
+            reason = "stop"
+        else:
+            for s in sp.stop:
+                at = req.output_text.find(s)
+                if at >= 0:
+                    req.output_text = req.output_text[:at]
+                    reason = "stop"
+                    break
+        if reason is None and (len(req.output_token_ids) >= sp.max_tokens
+                               or req.num_tokens >= self.config.scheduler_config.max_model_len):  # fmt: skip
+            reason = "length"
+        if reason:
+            req.finish_reason = reason
+            self.scheduler.finish(req)

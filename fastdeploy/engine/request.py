@@ -1,0 +1,80 @@
+"""A request's state through the engine, and what it returns."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.model_executor.layers.sampler import SamplingState
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_text: str = ""
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        sp = self.sampling_params
+        rng = np.random.default_rng(sp.seed) if sp.seed is not None else None
+        self.sampling_state = SamplingState(sp.temperature, sp.top_p, sp.top_k, sp.logprobs, rng)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def to_output(self) -> RequestOutput:
+        lp = self.output_logprobs if self.sampling_params.logprobs is not None else None
+        out = CompletionOutput(0, self.output_text, list(self.output_token_ids), lp, self.finish_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [out], self.is_finished,
+                             self.num_cached_tokens)  # fmt: skip

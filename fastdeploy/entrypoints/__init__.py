@@ -1,0 +1,1 @@
+"""Offline and HTTP entrypoints."""

@@ -1,0 +1,1 @@
+"""Continuous batching with chunked prefill under a token budget."""

@@ -1,0 +1,101 @@
+"""Continuous batching: each step runs every running request (decodes first, then continuing
+prefill chunks), then admits waiting requests, all within ``max_num_batched_tokens`` and
+``max_num_seqs``. When blocks run out, the newest running request is preempted: its blocks are
+freed and it is requeued at the front of the waiting queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from fastdeploy.cache_manager.block_manager import BlockManager
+from fastdeploy.config import SchedulerConfig
+from fastdeploy.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """Requests of one step and how many new tokens each computes."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free_request(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt_newest(self, out: SchedulerOutput) -> Request:
+        victim = self.running.pop()
+        self.bm.free_request(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.scheduled = [(r, n) for r, n in out.scheduled if r is not victim]
+        out.preempted.append(victim)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in decodes_first:
+            if req not in self.running or budget == 0:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.allocate(req, n):
+                if self._preempt_newest(out) is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
+        budget = self.config.max_num_batched_tokens - out.num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            cached = self.bm.match_prefix(req)
+            req.num_computed_tokens = cached
+            req.num_cached_tokens = max(req.num_cached_tokens, cached)
+            n = req.num_tokens - cached
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    self.bm.free_request(req)
+                    break
+                n = budget
+            if not self.bm.allocate(req, n):
+                self.bm.free_request(req)
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        return out
+
+    def finish(self, req: Request) -> None:
+        req.status = RequestStatus.FINISHED
+        if req in self.running:
+            self.running.remove(req)
+        self.bm.free_request(req)

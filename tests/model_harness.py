@@ -1,0 +1,69 @@
+"""Drive the paddle model step by step with hand-built batches (no engine), for model tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from fastdeploy.config import CacheConfig, FDConfig, ModelConfig
+from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.load_weight_utils import load_weights
+from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
+from fastdeploy.worker.gpu_model_runner import cache_spec
+
+NAN_U8 = 0xFF  # every byte 0xFF: NaN fp8 codes, NaN float32 scales, NaN bf16 rope
+
+
+class Harness:
+    """A loaded model, NaN-poisoned caches, and per-request block tables drawn at random."""
+
+    def __init__(self, model_dir: str, block_size: int = 16, num_blocks: int = 64, seed: int = 0,
+                 kv_cache_quant_type: str = "auto") -> None:  # fmt: skip
+        self.cfg = ModelConfig.from_pretrained(model_dir)
+        self.model = DeepseekV3ForCausalLM(self.cfg, "float32")
+        load_weights(self.model, model_dir, self.cfg.num_hidden_layers, show_progress=False)
+        fd = FDConfig(self.cfg, CacheConfig(block_size, num_blocks, kv_cache_quant_type=kv_cache_quant_type))
+        self.caches = []
+        for i in range(self.cfg.num_hidden_layers):
+            dtype, _ = cache_spec(fd, i, "float32")
+            last = 656 if dtype == "uint8" else 576
+            fill = NAN_U8 if dtype == "uint8" else float("nan")
+            self.caches.append(paddle.full([num_blocks, block_size, 1, last], fill, dtype=dtype))
+        self.block_size = block_size
+        self.free = list(np.random.default_rng(seed).permutation(num_blocks))
+        self.tables: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+
+    def share_prefix(self, src: str, dst: str, n_tokens: int) -> None:
+        """dst starts with src's first n_tokens already cached (whole blocks, as a prefix hit)."""
+        assert n_tokens % self.block_size == 0
+        self.tables[dst] = list(self.tables[src][: n_tokens // self.block_size])
+        self.lens[dst] = n_tokens
+
+    def step(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> dict[str, np.ndarray]:
+        """Run one step: each (request, new token ids); returns float64 logits [n, vocab] per request."""
+        ids, enc, dec, tables = [], [], [], []
+        for rid, toks in batch:
+            start = self.lens.get(rid, 0)
+            table = self.tables.setdefault(rid, [])
+            while len(table) * self.block_size < start + len(toks):
+                table.append(int(self.free.pop()))
+            ids += toks
+            enc.append(0 if rid in decode else len(toks))
+            dec.append(start)
+            tables.append(table)
+            self.lens[rid] = start + len(toks)
+        meta = ForwardMeta.build(ids, enc, dec, tables, self.block_size)
+        logits = self.model.compute_logits(self.model(meta, self.caches)).numpy().astype(np.float64)
+        cu = meta.host["cu_seqlens_q"]
+        return {rid: logits[cu[b] : cu[b + 1]] for b, (rid, _) in enumerate(batch)}
+
+    def prefill(self, rid: str, toks: list[int], chunk: int | None = None) -> np.ndarray:
+        """Logits [len(toks), vocab] of a prefill, in chunks of ``chunk`` tokens."""
+        chunk = chunk or len(toks)
+        parts = [self.step([(rid, toks[s : s + chunk])])[rid] for s in range(0, len(toks), chunk)]
+        return np.concatenate(parts)
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
