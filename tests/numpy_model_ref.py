@@ -89,8 +89,38 @@ def mlp(x, w, p):
     return (silu(x @ w[p + "gate_proj.weight"].T) * (x @ w[p + "up_proj.weight"].T)) @ w[p + "down_proj.weight"].T
 
 
-def forward(w: dict, cfg: dict, ids: list[int], windows: list[int | None] | None = None) -> np.ndarray:
-    """Logits float64 [T, vocab] for one sequence; windows[l] = W of layer l (None: full)."""
+_E4M3_GRID = np.array(
+    [(f / 8.0) * 2.0**-6 for f in range(8)] + [(1 + f / 8.0) * 2.0 ** (e - 7) for e in range(1, 16) for f in range(8)]
+)[:127]  # the 127 non-negative finite e4m3fn values, ascending
+
+
+def fp8_record_roundtrip(kv_c: np.ndarray, k_pe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What the 656-byte record keeps (DESIGN.md section 4), in numpy: per 128-value tile a power-of-two
+    scale >= amax / 448 and e4m3 values (nearest, ties to even); rope values rounded to bf16."""
+    x = kv_c.reshape(kv_c.shape[0], 4, 128)
+    amax = np.abs(x).max(-1, keepdims=True).astype(np.float32)
+    s = amax / np.float32(448)
+    scale = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.where(s > 0, s, 1))), 1.0)
+    y = np.abs(x) / scale
+    hi = np.clip(np.searchsorted(_E4M3_GRID, y), 0, 126)
+    lo = np.clip(hi - 1, 0, 126)
+    d_lo, d_hi = y - _E4M3_GRID[lo], _E4M3_GRID[hi] - y
+    pick = np.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
+    q = np.sign(x) * _E4M3_GRID[pick] * scale
+    return q.reshape(kv_c.shape), bf16_round(k_pe)
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def forward(
+    w: dict, cfg: dict, ids: list[int], windows: list[int | None] | None = None, fp8_kv: bool = False
+) -> np.ndarray:
+    """Logits float64 [T, vocab] for one sequence; windows[l] = W of layer l (None: full).
+    ``fp8_kv``: windowed layers see their kv_c / k_pe as the FP8 record stores them."""
     T = len(ids)
     H, nope, rope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     eps = cfg["rms_norm_eps"]
@@ -115,11 +145,13 @@ def forward(w: dict, cfg: dict, ids: list[int], windows: list[int | None] | None
         kv_c = rms(kv_a[:, :512], w[a + "kv_a_layernorm.weight"], eps)
         k_pe = rotate_pairs(kv_a[:, 512:], ang, mult)
         q_pe = rotate_pairs(q[:, :, nope:], ang, mult)
+        W = windows[layer] if windows else None
+        if fp8_kv and W:
+            kv_c, k_pe = fp8_record_roundtrip(kv_c, k_pe)
         kv = (kv_c @ w[a + "kv_b_proj.weight"].T).reshape(T, H, nope + v)
         k = np.concatenate([kv[:, :, :nope], np.broadcast_to(k_pe[:, None], (T, H, rope))], -1)
         qq = np.concatenate([q[:, :, :nope], q_pe], -1)
         s = np.einsum("thd,shd->hts", qq, k) * scale
-        W = windows[layer] if windows else None
         mask = (j <= i) & ((j > i - W) if W else True)
         s = np.where(mask[None], s, -np.inf)
         pr = np.exp(s - s.max(-1, keepdims=True))

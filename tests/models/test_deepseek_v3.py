@@ -3,7 +3,6 @@ prefill + decodes, chunked prefill and mixed batches give the logits of one-shot
 
 import json
 
-import numpy as np
 import pytest
 from model_harness import Harness, rel
 from numpy_model_ref import forward, load_np
