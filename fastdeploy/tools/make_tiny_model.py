@@ -1,7 +1,7 @@
 """Write a small random DeepSeek-V3 MLA_SWA checkpoint (config, safetensors, BPE tokenizer).
 
     python -m fastdeploy.tools.make_tiny_model OUT_DIR [--seed N] [--num-layers L]
-        [--sliding-window W] [--swa-layers IDS]
+        [--sliding-window W] [--swa-layers IDS] [--first-k-dense-replace K]
 
 IDS is a comma list of SWA layer ids, ``all`` or ``none``. Same arguments, same bytes. The
 preset name ``tiny-mla-swa`` (see ``resolve_model``) builds the default into a cache folder.
@@ -45,7 +45,9 @@ _CORPUS = [
 ]
 
 
-def tiny_config(num_layers: int = 4, sliding_window: int = 32, swa_layers: list[int] | None = None) -> dict:
+def tiny_config(
+    num_layers: int = 4, sliding_window: int = 32, swa_layers: list[int] | None = None, first_k_dense: int = 1
+) -> dict:
     """The tiny checkpoint's config.json. Default SWA layers: the even ones (both kinds present)."""
     if swa_layers is None:
         swa_layers = [i for i in range(num_layers) if i % 2 == 0]
@@ -76,7 +78,7 @@ def tiny_config(num_layers: int = 4, sliding_window: int = 32, swa_layers: list[
         "n_routed_experts": 8,
         "n_shared_experts": 1,
         "num_experts_per_tok": 2,
-        "first_k_dense_replace": 1,
+        "first_k_dense_replace": first_k_dense,
         "moe_layer_freq": 1,
         "n_group": 4,
         "topk_group": 2,
@@ -181,9 +183,10 @@ def make_tiny_model(
     num_layers: int = 4,
     sliding_window: int = 32,
     swa_layers: list[int] | None = None,
+    first_k_dense: int = 1,
 ) -> str:
     """Write the checkpoint into ``out_dir`` (created); returns ``out_dir``."""
-    cfg = tiny_config(num_layers, sliding_window, swa_layers)
+    cfg = tiny_config(num_layers, sliding_window, swa_layers, first_k_dense)
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer(cfg["vocab_size"])
     cfg["vocab_size"] = max(cfg["vocab_size"], tok.get_vocab_size())
@@ -251,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--sliding-window", type=int, default=32)
+    ap.add_argument("--first-k-dense-replace", type=int, default=1, help="leading dense-MLP layers (rest MoE)")
     ap.add_argument("--swa-layers", default=None, help="comma list of SWA layer ids, 'all' or 'none' (default: even)")
     args = ap.parse_args(argv)
     if args.num_layers < 1:
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         swa = None if args.swa_layers is None else parse_swa_layers(args.swa_layers, args.num_layers)
     except ValueError as e:
         ap.error(str(e))
-    make_tiny_model(args.out_dir, args.seed, args.num_layers, args.sliding_window, swa)
+    make_tiny_model(args.out_dir, args.seed, args.num_layers, args.sliding_window, swa, args.first_k_dense_replace)
     print(f"wrote {args.out_dir}")
 
 

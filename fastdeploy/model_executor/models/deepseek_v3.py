@@ -112,7 +112,8 @@ class DeepseekV3MLAAttention(nn.Layer):
             meta.cache[key] = get_swa_indexer_top_k(
                 meta.positions, meta.batch_id_per_token, meta.block_tables, meta.block_size, W, W
             )
-        return self.dsa_backend.forward_static(q_abs.astype("bfloat16"), cache, meta.cache[key], meta)
+        q = q_abs.astype(self.dsa_backend.q_dtype(kv_c.dtype))
+        return self.dsa_backend.forward_static(q, cache, meta.cache[key], meta)
 
 
 class DeepseekV3DecoderLayer(nn.Layer):

@@ -28,6 +28,13 @@ class DSAAttentionBackend:
         self.softmax_scale = softmax_scale
         self.provider = provider
 
+    def q_dtype(self, model_dtype) -> str:
+        """bf16 for the GPU kernels (DESIGN.md section 4); a float32 CPU model keeps float32 on the
+        reference, so SWA layers add no rounding beyond the FP8 cache."""
+        if select_provider(self.provider) == "reference" and model_dtype == paddle.float32:
+            return "float32"
+        return "bfloat16"
+
     def token_groups(self, provider: str, meta: ForwardMeta) -> list[tuple[np.ndarray | None, bool]]:
         """(token ids or None for all, is_prefill) per call the provider needs."""
         if provider != "flashmla":

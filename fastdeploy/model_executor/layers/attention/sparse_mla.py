@@ -95,6 +95,9 @@ def sparse_mla_attention(
     """q bf16 [T, H, 576], kv_cache uint8 [num_blocks, block_size, 1, 656], indices int32
     [T, topk] (-1 = none) -> (out bf16 [T, H, 512], lse float32 [T, H], natural log).
 
+    A float32 q (the CPU model) is accepted too and gives a float32 out: no bf16 rounding on a
+    path that does not need it. FlashMLA always computes in bf16.
+
     ``is_prefill`` picks FlashMLA's prefill kernel; the other providers ignore it."""
     _check(q, kv_cache, indices)
     name = select_provider(provider)
@@ -114,7 +117,7 @@ def sparse_mla_triton(
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """The Triton provider; ``num_splits`` None picks split-KV for small batches."""
     T, H = q.shape[0], q.shape[1]
-    out = paddle.empty([T, H, 512], dtype="bfloat16")
+    out = paddle.empty([T, H, 512], dtype=q.dtype)
     lse = paddle.empty([T, H], dtype="float32")
     idx = indices.astype("int32").contiguous()
     if num_splits is None:
@@ -147,10 +150,10 @@ def sparse_mla_reference(
         lse = paddle.logsumexp(logits, axis=-1)
         has = ok.any(axis=-1, keepdim=True)
         p = paddle.where(has.unsqueeze(-1), paddle.exp(logits - lse.unsqueeze(-1)), paddle.zeros_like(logits))
-        outs.append(paddle.einsum("thk,tkd->thd", p, kv[..., :512]).astype("bfloat16"))
+        outs.append(paddle.einsum("thk,tkd->thd", p, kv[..., :512]).astype(q.dtype))
         lses.append(paddle.where(has, lse, paddle.full_like(lse, float("inf"))))
     if not outs:
-        return paddle.empty([0, q.shape[1], 512], "bfloat16"), paddle.empty([0, q.shape[1]], "float32")
+        return paddle.empty([0, q.shape[1], 512], q.dtype), paddle.empty([0, q.shape[1]], "float32")
     return paddle.concat(outs), paddle.concat(lses)
 
 
@@ -188,6 +191,7 @@ def _flashmla(
     import flash_mla
 
     T, H = q.shape[0], q.shape[1]
+    out_dtype, q = q.dtype, q.astype("bfloat16")
     hp = _pad_heads(H)
     qp = paddle.concat([q, paddle.zeros([T, hp - H, 576], dtype=q.dtype)], axis=1) if hp != H else q
     idx = indices.astype("int32")
@@ -216,4 +220,4 @@ def _flashmla(
         )  # fmt: skip
         out = _paddle(out)[0]  # [T, hp, 512]
         lse = _paddle(lse)[0].transpose([1, 0])  # [hp, T] -> [T, hp]
-    return out[:, :H].astype("bfloat16"), lse[:, :H].astype("float32")
+    return out[:, :H].astype(out_dtype), lse[:, :H].astype("float32")
