@@ -71,7 +71,8 @@ class LLMEngine:
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.num_generated_tokens = 0
-        self.step_listeners: list = []  # callables(request, new_token_ids, now) for metrics
+        self.step_listeners: list = []  # callables(request, now) for metrics
+        self.preempted_log: list[Request] = []
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Queue a prompt (text, or token ids). Raises ValueError naming what is wrong."""
@@ -112,6 +113,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler + model step; outputs of the requests that produced a token."""
         sched = self.scheduler.schedule()
+        self.preempted_log.extend(sched.preempted)
         results = self.runner.execute(sched.scheduled)
         now = time.monotonic()
         outputs = []

@@ -1,0 +1,152 @@
+"""The offline API and the engine: batching, chunked prefill, preemption, prefix caching, stops."""
+
+import numpy as np
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.config import FDConfig, ModelConfig
+from fastdeploy.engine.engine import EngineArgs
+from fastdeploy.worker.gpu_model_runner import bytes_per_block, cache_spec, num_blocks_for
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=200, max_model_len=1024)
+
+
+def prompts(rng, lens):
+    return [{"prompt_token_ids": [int(x) for x in rng.integers(2, 500, n)]} for n in lens]
+
+
+def test_generate_text_and_ids(llm):
+    out = llm.generate(["Hello", {"prompt_token_ids": [5, 6, 7]}], GREEDY)
+    assert len(out) == 2
+    assert out[0].prompt_token_ids[0] == llm.get_tokenizer().bos_token_id
+    for o in out:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 12 and c.finish_reason == "length" and o.finished
+        assert c.text == llm.get_tokenizer().decode(c.token_ids).rstrip("\ufffd") or c.text
+    assert out[1].prompt_token_ids == [5, 6, 7]
+
+
+def test_batched_equals_alone(llm, rng):
+    ps = prompts(rng, [3, 40, 100, 130])  # some beyond 3W (W = 32)
+    together = llm.generate(ps, GREEDY)
+    for p, t in zip(ps, together, strict=True):
+        assert llm.generate([p], GREEDY)[0].outputs[0].token_ids == t.outputs[0].token_ids
+
+
+def test_logprobs_and_seed(llm):
+    sp = SamplingParams(max_tokens=5, temperature=0.8, seed=11, logprobs=2)
+    a = llm.generate(["Once upon"], sp)[0].outputs[0]
+    b = llm.generate(["Once upon"], sp)[0].outputs[0]
+    assert a.token_ids == b.token_ids
+    assert len(a.logprobs) == 5
+    for tok, lp in zip(a.token_ids, a.logprobs, strict=True):
+        assert tok in lp and all(v <= 0 for v in lp.values())
+
+
+def test_stop_token_ids_and_strings(llm):
+    first = llm.generate(["Hello"], GREEDY)[0].outputs[0]
+    stop_at = first.token_ids[3]
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out.outputs[0].token_ids == first.token_ids[: first.token_ids.index(stop_at) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    text = first.text
+    if len(text) > 4:
+        s = text[2:4]
+        o = llm.generate(["Hello"], SamplingParams(max_tokens=12, temperature=0, stop=[s]))[0].outputs[0]
+        assert o.finish_reason == "stop" and o.text == text[: text.find(s)]
+
+
+def test_eos_stops(llm, monkeypatch):
+    first = llm.generate(["Hello"], GREEDY)[0].outputs[0]
+    eng = llm.engine
+    monkeypatch.setattr(eng, "eos_token_ids", [first.token_ids[2]])
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == first.token_ids[:3]
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 48])
+def test_chunked_prefill_budget_same_tokens(llm, chunk, rng):
+    ps = prompts(rng, [70, 100])
+    want = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
+    small = LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=200, max_model_len=1024,
+                max_num_batched_tokens=chunk)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in small.generate(ps, GREEDY)] == want
+
+
+def test_preemption_completes_with_same_tokens(llm, rng):
+    ps = prompts(rng, [40, 35, 45, 40])  # all four fit when admitted, then outgrow the 12 blocks
+    sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(ps, sp)]
+    tiny = LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=12, max_model_len=150)
+    got = tiny.generate(ps, sp)
+    assert [o.outputs[0].token_ids for o in got] == want
+    eng = tiny.engine
+    assert sum(r.num_preemptions for r in eng.preempted_log) > 0
+    assert eng.block_manager.num_free_blocks == 12
+
+
+def test_prefix_caching_same_tokens_and_hits(rng):
+    shared = [int(x) for x in rng.integers(2, 500, 48)]
+    ps = [{"prompt_token_ids": shared[:n] + [int(x) for x in rng.integers(2, 500, 9)]} for n in (16, 32, 48)]
+    off = LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=100, max_model_len=512)
+    on = LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=100, max_model_len=512,
+             enable_prefix_caching=True)  # fmt: skip
+    want = [o.outputs[0].token_ids for o in off.generate(ps, GREEDY)]
+    on.generate([{"prompt_token_ids": shared + [1, 2, 3]}], GREEDY)  # warm the cache
+    got = on.generate(ps, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert [o.num_cached_tokens for o in got] == [16, 32, 48]
+    assert on.engine.block_manager.prefix_hits >= 96
+
+
+def test_bad_requests(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [3] * 2000}], GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"prompt_token_ids": [3, 99999]}], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate([{"tokens": [1]}], GREEDY)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [GREEDY])
+    with pytest.raises(ValueError, match="max-model-len"):
+        LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=2, max_model_len=512)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(model="tiny-mla-swa", tensor_parallel_size=2)
+
+
+def test_cache_allocation_per_layer_and_budget(tiny_model_dir):
+    from fastdeploy.config import CacheConfig
+
+    mc = ModelConfig.from_pretrained(tiny_model_dir)
+    for quant, full_dtype, full_bytes in (("auto", "float32", 576 * 4), ("bf16", "bfloat16", 576 * 2),
+                                          ("fp8", "uint8", 656)):  # fmt: skip
+        fd = FDConfig(mc, CacheConfig(block_size=16, num_gpu_blocks=None, kv_cache_quant_type=quant))
+        for i in range(mc.num_hidden_layers):
+            want = ("uint8", 656) if mc.is_swa_layer(i) else (full_dtype, full_bytes)
+            assert cache_spec(fd, i, "float32") == want
+        n_swa = len(mc.swa_layer_ids)
+        per_block = 16 * (656 * n_swa + full_bytes * (mc.num_hidden_layers - n_swa))
+        assert bytes_per_block(fd, "float32") == per_block
+        assert num_blocks_for(fd, "float32") == (512 * 2**20) // per_block
+        assert fd.cache_config.kv_cache_quant_type == quant  # choosing SWA's format did not clear it
+
+
+def test_runner_allocates_the_specs(llm):
+    r = llm.engine.runner
+    mc = r.fd.model_config
+    for i, c in enumerate(r.caches):
+        assert list(c.shape) == [r.num_blocks, 16, 1, 656 if mc.is_swa_layer(i) else 576]
+        assert (str(c.dtype).endswith("uint8")) == mc.is_swa_layer(i)
+
+
+def test_engine_args_defaults():
+    a = EngineArgs()
+    assert a.model == "tiny-mla-swa" and a.block_size == 64 and a.enable_chunked_prefill
+    assert np.isclose(a.gpu_memory_utilization, 0.9)
