@@ -73,6 +73,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.step_listeners: list = []  # callables(request, now) for metrics
         self.preempted_log: list[Request] = []
+        self.abort_listeners: list = []  # callables(request_id)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Queue a prompt (text, or token ids). Raises ValueError naming what is wrong."""
@@ -105,6 +106,8 @@ class LLMEngine:
             req.finish_reason = "abort"
             self.scheduler.abort(req)
             req.status = req.status.FINISHED
+            for listener in self.abort_listeners:
+                listener(request_id)
         self.detok.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:

@@ -1,0 +1,231 @@
+"""The OpenAI server over real HTTP (uvicorn on a free localhost port) with the openai client."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.engine.async_engine import AsyncLLMEngine
+from fastdeploy.engine.engine import EngineArgs, LLMEngine
+from fastdeploy.entrypoints.openai import api_server
+
+KEY = "test-key"
+ENGINE = dict(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=400, max_model_len=512)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    eng = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE, enable_prefix_caching=True, max_num_batched_tokens=256)))
+    app = api_server.build_app(eng, "tiny-mla-swa", api_key=KEY)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", eng
+    srv.should_exit = True
+    th.join(timeout=10)
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(**ENGINE)
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(f"fastdeploy:{name} ") or line.startswith(f"fastdeploy:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_idle(base: str, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metric(base, "num_requests_running") == 0 and metric(base, "kv_cache_blocks_used") == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("requests still hold KV blocks")
+
+
+def test_completion_and_chat_match_offline(client, offline):
+    r = client.completions.create(model="tiny-mla-swa", prompt="Hello", max_tokens=10, temperature=0)
+    want = offline.generate(["Hello"], SamplingParams(max_tokens=10, temperature=0))[0]
+    assert r.choices[0].text == want.outputs[0].text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids) and r.usage.completion_tokens == 10
+    stream = client.completions.create(model="tiny-mla-swa", prompt="Hello", max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want.outputs[0].text
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    tok = offline.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+    want = offline.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=8, temperature=0))[0]
+    r = client.chat.completions.create(model="tiny-mla-swa", messages=msgs, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == want.outputs[0].text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model="tiny-mla-swa", messages=msgs, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_logprobs_formats(client):
+    r = client.completions.create(model="tiny-mla-swa", prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(len(t) >= 2 for t in lp.top_logprobs)
+    r = client.chat.completions.create(model="tiny-mla-swa", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == max(t.logprob for t in content[0].top_logprobs)
+
+
+def test_16_concurrent_streams_match_alone_and_free_blocks(server, client, offline):
+    base, _ = server
+    rng = np.random.default_rng(0)
+    lens = [int(n) for n in rng.integers(3, 140, 16)]
+    lens[:3] = [97, 120, 139]  # beyond 3W
+    prompts = [[int(x) for x in rng.integers(4, 500, n)] for n in lens]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = [offline.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].text for p in prompts]
+
+    def run(p):
+        s = client.completions.create(model="tiny-mla-swa", prompt=p, max_tokens=12, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+        return "".join(c.choices[0].text for c in s if c.choices)
+
+    with ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(run, prompts))
+    assert got == alone
+    wait_idle(base)
+
+
+def test_prefix_cache_hits_show_in_metrics(server, client, offline):
+    base, _ = server
+    shared = "The cache stores 656 bytes a token: 512 e4m3 values, 4 float32 scales and 64 bf16 values. " * 2
+    before = metric(base, "prefix_cache_hits_total")
+    outs = [client.completions.create(model="tiny-mla-swa", prompt=shared + s, max_tokens=6, temperature=0).choices[0]
+            .text for s in ("one", "two")]  # fmt: skip
+    assert metric(base, "prefix_cache_hits_total") > before
+    want = [o.outputs[0].text for o in offline.generate([shared + "one", shared + "two"],
+                                                         SamplingParams(max_tokens=6, temperature=0))]  # fmt: skip
+    assert outs == want
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    base, _ = server
+    aborted = metric(base, 'request_success_total{finished_reason="abort"}')
+    body = {"model": "tiny-mla-swa", "prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+    wait_idle(base)
+    assert metric(base, 'request_success_total{finished_reason="abort"}') == aborted + 1
+
+
+@pytest.mark.parametrize(
+    "path, body, status, field",
+    [
+        ("/v1/completions", {"model": "tiny-mla-swa"}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x " * 600}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "n": 2}, 400, "n"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "bogus": 1}, 400, "bogus"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": ["a", "b"]}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": [1, 99999]}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ("/v1/chat/completions", {"model": "tiny-mla-swa", "messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "tiny-mla-swa", "messages": [{"role": "robot", "content": "x"}]}, 400,
+         "messages"),
+        ("/v1/chat/completions", {"model": "tiny-mla-swa", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "tiny-mla-swa", "messages": [{"role": "user", "content": "x"}],
+                                  "top_logprobs": 2}, 400, "top_logprobs"),
+    ],
+)  # fmt: skip
+def test_bad_requests_name_the_field(server, path, body, status, field):
+    base, _ = server
+    r = httpx.post(base + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert field in err["message"] and err["type"]
+    ok = httpx.post(base + "/v1/completions", json={"model": "tiny-mla-swa", "prompt": "x", "max_tokens": 2},
+                    headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    assert ok.status_code == 200  # the server keeps serving
+
+
+def test_invalid_json_auth_health_models(server):
+    base, _ = server
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(base + "/v1/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert httpx.post(base + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    r = httpx.post(base + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    assert httpx.get(base + "/health").status_code == 200
+    models = httpx.get(base + "/v1/models", headers=h).json()
+    assert models["data"][0]["id"] == "tiny-mla-swa" and models["data"][0]["max_model_len"] == 512
+
+
+def test_cli_serves_and_rejects_bad_flags(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--port", str(port),
+           "--block-size", "16", "--max-model-len", "256", "--num-gpu-blocks-override", "64"]  # fmt: skip
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    bad = subprocess.run([*cmd[:3], "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--tensor-parallel-size" in bad.stderr
+    ns = api_server.make_parser().parse_args(["--kv-cache-dtype", "fp8", "--enable-prefix-caching"])
+    a = api_server.engine_args_from(ns)
+    assert a.kv_cache_dtype == "fp8" and a.enable_prefix_caching and a.block_size == 64
