@@ -186,7 +186,7 @@ def sparse_case(T, H, W, prefill, g, ceil, variants=None, check_tokens=64):
     for cfg in configs:
         bh = cfg["block_h"]
         bn = cfg["block_n"]
-        ns = cfg.get("num_splits", default_num_splits(T, H, topk, bh, bn))
+        ns = cfg.get("num_splits", default_num_splits(T, H, topk, bh, bn) * cfg.get("split_mult", 1))
         part = torch.empty(T, ns, H, 512, device=DEV) if ns > 1 else None
         part_l = torch.empty(T, ns, H, device=DEV) if ns > 1 else None
         out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -234,7 +234,7 @@ def sparse_case(T, H, W, prefill, g, ceil, variants=None, check_tokens=64):
     }
 
 
-def indexer_case(T, W, g, ceil):
+def indexer_case(T, W, g, ceil, sweep=False):
     L = W + T
     pos = torch.randint(0, L, (T,), generator=g, dtype=torch.int32).to(DEV)
     bid = torch.randint(0, 8, (T,), generator=g, dtype=torch.int32).to(DEV)
@@ -243,7 +243,17 @@ def indexer_case(T, W, g, ceil):
     launch_swa_indexer(pos, bid, bt, out, BLOCK, W)
     ok = bool(torch.equal(out, indexer_torch(pos, bid, bt, BLOCK, W, W)))
     nbytes = T * (4 * W + 8)
-    ms = bench(lambda: launch_swa_indexer(pos, bid, bt, out, BLOCK, W))
+    variants = []
+    for bt_, bk, nw in INDEXER_VARIANTS if sweep else [(16, 256, None)]:
+        kw = dict(block_t=bt_, block_k=bk, num_warps=nw)
+        out.fill_(-7)
+        launch_swa_indexer(pos, bid, bt, out, BLOCK, W, **kw)
+        good = bool(torch.equal(out, indexer_torch(pos, bid, bt, BLOCK, W, W)))
+        variants.append(
+            {"config": kw, "ok": good, "ms": bench(lambda kw=kw: launch_swa_indexer(pos, bid, bt, out, BLOCK, W, **kw))}
+        )
+    best = min((v for v in variants if v["ok"]), key=lambda v: v["ms"])
+    ok, ms = ok and best["ok"], best["ms"]
     naive = bench(lambda: indexer_torch(pos, bid, bt, BLOCK, W, W))
     gbps = nbytes / ms / 1e6
     return {
@@ -256,10 +266,12 @@ def indexer_case(T, W, g, ceil):
         "speedup": naive / ms,
         "err": 0.0 if ok else 1.0,
         "ok": ok,
+        "best_config": best["config"],
+        "variants": variants,
     }
 
 
-def fp8_write_case(T, g, ceil):
+def fp8_write_case(T, g, ceil, sweep=False):
     kv_c = (torch.randn(T, 512, generator=g) * torch.rand(T, 1, generator=g) * 10).to(DEV).bfloat16()
     k_pe = torch.randn(T, 64, generator=g).to(DEV).bfloat16()
     nblocks = -(-T // BLOCK) + 3
@@ -270,7 +282,16 @@ def fp8_write_case(T, g, ceil):
     got = cache.view(-1, 656)[slots.long()]
     ok = bool(torch.equal(got, want))
     nbytes = T * ((512 + 64) * 2 + 656 + 4)
-    ms = bench(lambda: launch_write_mla_fp8_cache(kv_c, k_pe, slots, cache))
+    variants = []
+    for bt_, nw in FP8_WRITE_VARIANTS if sweep else [(8, None)]:
+        kw = dict(block_t=bt_, num_warps=nw)
+        cache.zero_()
+        launch_write_mla_fp8_cache(kv_c, k_pe, slots, cache, **kw)
+        good = bool(torch.equal(cache.view(-1, 656)[slots.long()], want))
+        ms_v = bench(lambda kw=kw: launch_write_mla_fp8_cache(kv_c, k_pe, slots, cache, **kw))
+        variants.append({"config": kw, "ok": good, "ms": ms_v})
+    best = min((v for v in variants if v["ok"]), key=lambda v: v["ms"], default=variants[0])
+    ok, ms = ok and all(v["ok"] for v in variants), best["ms"]
 
     def naive():
         cache.view(-1, 656)[slots.long()] = quantize_torch(kv_c, k_pe)
@@ -288,19 +309,23 @@ def fp8_write_case(T, g, ceil):
         "speedup": naive_ms / ms,
         "err": mismatch,
         "ok": ok,
+        "best_config": best["config"],
+        "variants": variants,
     }
 
 
 VARIANTS = [
-    {"block_h": 16, "block_n": 16, "num_warps": 4},
-    {"block_h": 16, "block_n": 32, "num_warps": 4},
+    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1},
+    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1, "split_mult": 3},
+    {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 1, "split_mult": 6},
+    {"block_h": 128, "block_n": 32, "num_warps": 16, "num_stages": 1},
+    {"block_h": 128, "block_n": 64, "num_warps": 16, "num_stages": 1},
     {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2},
-    {"block_h": 32, "block_n": 32, "num_warps": 4},
-    {"block_h": 64, "block_n": 16, "num_warps": 4},
-    {"block_h": 64, "block_n": 32, "num_warps": 8},
-    {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
-    {"block_h": 64, "block_n": 64, "num_warps": 8},
+    {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "split_mult": 4},
+    {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "split_mult": 4},
 ]
+INDEXER_VARIANTS = [(16, 256, 4), (16, 1024, 4), (8, 1024, 8), (32, 512, 8), (4, 2048, 8)]  # BLOCK_T, BLOCK_K, warps
+FP8_WRITE_VARIANTS = [(8, 4), (16, 4), (16, 8), (32, 8), (4, 4)]  # BLOCK_T, warps
 
 
 def main() -> None:
@@ -313,8 +338,8 @@ def main() -> None:
     ceil = ceilings()
     print(f"ceilings: {ceil}", flush=True)
     results = []
-    results.append(indexer_case(16384, 4096, g, ceil))
-    results.append(fp8_write_case(65536, g, ceil))
+    results.append(indexer_case(16384, 4096, g, ceil, sweep=args.variants))
+    results.append(fp8_write_case(65536, g, ceil, sweep=args.variants))
     Ts, Hs, Ws = ([128], [128, 16], [128, 4096]) if args.quick else ([64, 128], [128, 16], [128, 1024, 4096])
     var = VARIANTS if args.variants else None
     for W in Ws:

@@ -95,7 +95,7 @@ def _dequant_kernel(rec_ptr, out_ptr, N, BLOCK_N: tl.constexpr):
     tl.store(dst[:, None] + _LAT + r[None, :], pe, mask=ok[:, None])
 
 
-def launch_write_mla_fp8_cache(kv_c, k_pe, slot_mapping, cache, block_t: int = 8) -> None:
+def launch_write_mla_fp8_cache(kv_c, k_pe, slot_mapping, cache, block_t: int = 8, num_warps: int | None = None) -> None:
     """Framework-neutral launch (paddle or torch tensors): kv_c [T, 512], k_pe [T, 64] (row
     stride may exceed the width), slot_mapping int32 [T], cache uint8 [..., 656] contiguous."""
     T = int(kv_c.shape[0])
@@ -105,7 +105,7 @@ def launch_write_mla_fp8_cache(kv_c, k_pe, slot_mapping, cache, block_t: int = 8
         _write_kernel, (triton.cdiv(T, block_t),), kv_c, k_pe, slot_mapping, cache, T,
         int(kv_c.strides[0]) if hasattr(kv_c, "strides") else kv_c.stride(0),
         int(k_pe.strides[0]) if hasattr(k_pe, "strides") else k_pe.stride(0),
-        BLOCK_T=block_t,
+        BLOCK_T=block_t, **({"num_warps": num_warps} if num_warps else {}),
     )  # fmt: skip
 
 

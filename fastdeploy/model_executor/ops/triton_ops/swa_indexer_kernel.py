@@ -39,11 +39,15 @@ def launch_swa_indexer(
     sliding_window: int,
     block_t: int = 16,
     block_k: int = 256,
+    num_warps: int | None = None,
 ) -> None:
     """Framework-neutral launch; out int32 [T, topk], block_tables int32 [B, max_blocks]."""
     T, topk = int(out.shape[0]), int(out.shape[1])
     if T == 0:
         return
     grid = (triton.cdiv(T, block_t), triton.cdiv(topk, block_k))
-    launch(_swa_indexer_kernel, grid, positions, batch_id_per_token, block_tables, out, T, topk,
-           int(block_tables.shape[1]), block_size, sliding_window, BLOCK_T=block_t, BLOCK_K=block_k)  # fmt: skip
+    meta = {"num_warps": num_warps} if num_warps else {}
+    launch(
+        _swa_indexer_kernel, grid, positions, batch_id_per_token, block_tables, out, T, topk,
+        int(block_tables.shape[1]), block_size, sliding_window, BLOCK_T=block_t, BLOCK_K=block_k, **meta,
+    )  # fmt: skip
