@@ -136,24 +136,26 @@ def _combine_kernel(
 
 
 # Tuned on an H200 (benchmarks/bench_swa_kernels.py --variants, 2026-12-02, triton 3.6): 64-head
-# tiles of 64 slots win wherever there are 64+ heads or too few programs to fill the SMs; 16-head
-# tiles of 32 slots with 2 stages win for many-token batches of few heads.
+# tiles of 64 slots for 64+ heads; 16-head tiles of 32 slots with 2 stages below that (at 16
+# heads they beat 64-head tiles in 5 of 6 cases, and with more splits also in small decodes).
 TUNED_WIDE = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1}
 TUNED_NARROW = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
-def tuned_config(T: int, H: int, num_sms: int = 132) -> dict:
+def tuned_config(T: int, H: int) -> dict:
     """Tile shape and launch options for T tokens of H heads (the recorded tuning, not a search)."""
-    return TUNED_WIDE if H >= 64 or T * triton.cdiv(H, 16) < num_sms else TUNED_NARROW
+    return TUNED_WIDE if H >= 64 else TUNED_NARROW
 
 
 def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, num_sms: int = 132) -> int:
     """Split the index row when T x head-blocks programs would leave SMs idle; keep >= 2 tiles
-    a split so each split amortises its q load and partial write."""
+    a split so each split amortises its q load and partial write. Narrow tiles fit several
+    programs per SM and are latency-bound, so they aim for 8 programs an SM, wide ones for 2."""
     programs = T * triton.cdiv(H, block_h)
-    if programs >= num_sms:
+    target = (8 if block_h < 64 else 2) * num_sms
+    if programs >= target:
         return 1
-    return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(topk, 2 * block_n), 32))
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(topk, 2 * block_n), 32))
 
 
 def launch_sparse_mla(
