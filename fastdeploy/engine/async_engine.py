@@ -1,7 +1,8 @@
 """Runs an LLMEngine in its own thread so the HTTP loop never waits on a model step.
 
-HTTP handlers add requests under a lock (validation errors surface at once) and read outputs
-from a per-request asyncio queue, fed from the engine thread through the event loop.
+HTTP handlers validate and tokenize a request in their own thread (errors surface at once), then
+hand it over through a short-lived lock; only the engine thread touches the engine's state. Each
+request's outputs arrive on an asyncio queue, fed from the engine thread through the event loop.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class AsyncLLMEngine:
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.pending: list = []  # requests for the engine thread to enqueue
+        self.pending_aborts: list[str] = []
         self.stopped = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="fastdeploy-engine", daemon=True)
@@ -36,8 +39,9 @@ class AsyncLLMEngine:
     def add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> asyncio.Queue:
         """Queue a request; ValueError (naming the problem) if the engine refuses it."""
         q: asyncio.Queue = asyncio.Queue()
+        req = self.engine.make_request(prompt, params, request_id)
         with self.lock:
-            self.engine.add_request(prompt, params, request_id)
+            self.pending.append(req)
             self.streams[request_id] = (asyncio.get_running_loop(), q)
             self.wake.notify()
         return q
@@ -61,8 +65,8 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         with self.lock:
             self.streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
-            logger.info("aborted request %s", request_id)
+            self.pending_aborts.append(request_id)
+            self.wake.notify()
 
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
         entry = self.streams.get(request_id)
@@ -76,22 +80,34 @@ class AsyncLLMEngine:
         except RuntimeError:  # the loop is gone (shutdown)
             pass
 
+    def _take_pending(self) -> tuple[list, list[str]]:
+        with self.lock:
+            while not (self.stopped or self.pending or self.pending_aborts or self.engine.has_unfinished_requests()):
+                self.wake.wait(timeout=0.5)
+            reqs, aborts = self.pending, self.pending_aborts
+            self.pending, self.pending_aborts = [], []
+            return reqs, aborts
+
     def _loop(self) -> None:
-        while True:
-            with self.lock:
-                while not self.stopped and not self.engine.has_unfinished_requests():
-                    self.wake.wait(timeout=0.5)
-                if self.stopped:
-                    return
-                try:
-                    outs = self.engine.step()
-                except BaseException as e:  # a broken step fails its requests, not the server
-                    logger.exception("engine step failed")
-                    self.error = e
+        while not self.stopped:
+            reqs, aborts = self._take_pending()
+            for req in reqs:
+                self.engine.enqueue(req)
+            for rid in aborts:
+                self.engine.abort_request(rid)
+                logger.info("aborted request %s", rid)
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outs = self.engine.step()
+            except BaseException as e:  # a broken step fails its requests, not the server
+                logger.exception("engine step failed")
+                self.error = e
+                with self.lock:
                     for rid in list(self.streams):
                         self._deliver(RuntimeError(f"engine step failed: {e}"), rid)
-                        self.engine.abort_request(rid)
-                    return
+                return
+            with self.lock:
                 for out in outs:
                     self._deliver(out, out.request_id)
 

@@ -77,6 +77,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Queue a prompt (text, or token ids). Raises ValueError naming what is wrong."""
+        req = self.make_request(prompt, params, request_id)
+        self.enqueue(req)
+        return req
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate and tokenize; touches no engine state, so any thread may call it."""
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
@@ -91,14 +97,14 @@ class LLMEngine:
         if len(ids) >= limit:
             raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is {limit} (prompt plus at least one "
                              "generated token must fit)")  # fmt: skip
-        rid = request_id or uuid.uuid4().hex
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
-        req = Request(rid, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
-        self.requests[rid] = req
-        self.detok[rid] = IncrementalDetokenizer(self.tokenizer)
+        return Request(request_id or uuid.uuid4().hex, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+
+    def enqueue(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(req)
-        return req
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -294,8 +294,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.get("/metrics")
     async def metrics():
-        with engine.lock:
-            text = srv.metrics.render(engine.engine)
+        text = srv.metrics.render(engine.engine)  # plain reads of counters; a step may be mid-way
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app

@@ -153,7 +153,7 @@ def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, nu
     programs per SM and are latency-bound, so they aim for 8 programs an SM, wide ones for 2."""
     programs = T * triton.cdiv(H, block_h)
     target = (8 if block_h < 64 else 2) * num_sms
-    if programs >= target:
+    if programs >= (target if block_h < 64 else num_sms):  # wide: one wave already fills the SMs
         return 1
     return max(1, min(triton.cdiv(target, programs), triton.cdiv(topk, 2 * block_n), 32))
 
