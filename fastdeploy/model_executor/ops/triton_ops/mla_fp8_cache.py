@@ -86,11 +86,10 @@ def quantize_mla_record_ref(kv_c: paddle.Tensor, k_pe: paddle.Tensor) -> paddle.
     T = kv_c.shape[0]
     x = kv_c.astype("float32").reshape([T, N_TILES, TILE])
     amax = x.abs().max(axis=-1)
-    raw = amax / FP8_MAX
-    e = paddle.ceil(paddle.log2(paddle.where(raw > 0, raw, paddle.ones_like(raw)).astype("float64")))
-    scale = paddle.where(amax > 0, paddle.pow(paddle.to_tensor(2.0, "float64"), e.clip(min=-126)), 1.0).astype(
-        "float32"
-    )
+    raw = amax / FP8_MAX  # float32, as the kernel divides
+    e = paddle.ceil(paddle.log2(paddle.where(raw > 0, raw, paddle.ones_like(raw)).astype("float64"))).clip(min=-126)
+    pow2 = paddle.full_like(e, 2.0).pow(e)
+    scale = paddle.where(amax > 0, pow2, paddle.ones_like(pow2)).astype("float32")
     q = (x / scale.unsqueeze(-1)).clip(-FP8_MAX, FP8_MAX)
     codes = _e4m3_codes_ref(q).reshape([T, LATENT])
     scale_bytes = scale.contiguous().view("uint8").reshape([T, 16])
