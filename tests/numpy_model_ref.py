@@ -117,10 +117,16 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
 
 
 def forward(
-    w: dict, cfg: dict, ids: list[int], windows: list[int | None] | None = None, fp8_kv: bool = False
+    w: dict,
+    cfg: dict,
+    ids: list[int],
+    windows: list[int | None] | None = None,
+    fp8_kv: bool = False,
+    kv_formats: list[str | None] | None = None,
 ) -> np.ndarray:
     """Logits float64 [T, vocab] for one sequence; windows[l] = W of layer l (None: full).
-    ``fp8_kv``: windowed layers see their kv_c / k_pe as the FP8 record stores them."""
+    ``fp8_kv``: windowed layers see their kv_c / k_pe as the FP8 record stores them.
+    ``kv_formats[l]`` ("fp8", "bf16" or None) says how layer l's cache stores them, for any layer."""
     T = len(ids)
     H, nope, rope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     eps = cfg["rms_norm_eps"]
@@ -146,8 +152,11 @@ def forward(
         k_pe = rotate_pairs(kv_a[:, 512:], ang, mult)
         q_pe = rotate_pairs(q[:, :, nope:], ang, mult)
         W = windows[layer] if windows else None
-        if fp8_kv and W:
+        fmt = kv_formats[layer] if kv_formats else ("fp8" if fp8_kv and W else None)
+        if fmt == "fp8":
             kv_c, k_pe = fp8_record_roundtrip(kv_c, k_pe)
+        elif fmt == "bf16":
+            kv_c, k_pe = bf16_round(kv_c), bf16_round(k_pe)
         kv = (kv_c @ w[a + "kv_b_proj.weight"].T).reshape(T, H, nope + v)
         k = np.concatenate([kv[:, :, :nope], np.broadcast_to(k_pe[:, None], (T, H, rope))], -1)
         qq = np.concatenate([q[:, :, :nope], q_pe], -1)

@@ -3,8 +3,9 @@ prefill + decodes, chunked prefill and mixed batches give the logits of one-shot
 
 import json
 
+import numpy as np
 import pytest
-from model_harness import Harness, rel
+from model_harness import Harness, assert_close_with_routing_flips, position_errors, rel
 from numpy_model_ref import forward, load_np
 
 from fastdeploy.tools.make_tiny_model import make_tiny_model
@@ -71,8 +72,12 @@ def test_mixed_batch_equals_alone(full_dir, rng):
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_quantized_full_layer_caches(full_dir, ref_weights, kv, rng):
+    """bf16 or FP8-record caches on full layers: small, visible error; with FP8 the reference that
+    rounds every layer's kv_c / k_pe like the record agrees closely."""
     ids = tokens(rng, 50)
     got = Harness(full_dir, kv_cache_quant_type=kv).prefill("a", ids)
     w, cfg = ref_weights
-    err = rel(got[-1], forward(w, cfg, ids)[-1])
-    assert 1e-6 < err < (2e-2 if kv == "bf16" else 6e-2)  # quantization shows, and stays small
+    exact = position_errors(got, forward(w, cfg, ids))
+    assert np.median(exact) > 1e-6  # the quantization is there
+    stored = forward(w, cfg, ids, kv_formats=[kv] * cfg["num_hidden_layers"])
+    assert_close_with_routing_flips(got, stored, 1e-2, 5e-2)
