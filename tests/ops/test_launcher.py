@@ -47,3 +47,14 @@ def test_cpu_paddle_without_interpreter_is_a_clear_error(monkeypatch):
         launcher.launch(_affine_kernel, (1,), paddle.zeros([4]), paddle.zeros([4]), 4, BLOCK=4)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert launcher.can_run_triton()
+
+
+def test_compat_is_only_enabled_for_cuda_paddle(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launcher, "_ensure_paddle_compat", lambda: calls.append(1))
+    launcher.enable_compat_before_triton()  # interpreter: nothing
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    launcher.enable_compat_before_triton()  # CPU paddle: nothing
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    launcher.enable_compat_before_triton()
+    assert calls == [1]

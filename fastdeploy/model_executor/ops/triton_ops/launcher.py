@@ -43,6 +43,19 @@ def _ensure_paddle_compat() -> None:
         _compat_enabled = True
 
 
+def enable_compat_before_triton() -> None:
+    """On a CUDA build of paddle, turn on paddle's torch proxy for Triton before Triton is first
+    imported (paddle's documented order); a no-op without paddle (GPU benchmarks) or on CPU."""
+    if interpret_mode():
+        return
+    try:
+        import paddle
+    except ImportError:
+        return
+    if paddle.is_compiled_with_cuda():
+        _ensure_paddle_compat()
+
+
 def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
     """Run ``kernel[grid](*args, **meta)``, making paddle tensor arguments acceptable to Triton."""
     if any(_is_paddle_tensor(a) for a in args):
