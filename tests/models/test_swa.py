@@ -108,7 +108,7 @@ class LayerCase:
 def check(out, want):
     assert np.isfinite(out).all()
     err = position_errors(out, want)
-    assert err.max() < 2e-2, err
+    assert err.max() < 1e-4, err  # float32 model on the reference provider: measured ~1e-6
 
 
 def test_layer_prefill_decode_mixed(swa_dir, rng):
