@@ -325,7 +325,7 @@ VARIANTS = [
     {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "split_mult": 4},
 ]
 INDEXER_VARIANTS = [(16, 256, 4), (16, 1024, 4), (8, 1024, 8), (32, 512, 8), (4, 2048, 8)]  # BLOCK_T, BLOCK_K, warps
-FP8_WRITE_VARIANTS = [(8, 4), (16, 4), (16, 8), (32, 8), (4, 4)]  # BLOCK_T, warps
+FP8_WRITE_VARIANTS = [(32, 8), (64, 16), (32, 4), (64, 8), (16, 4)]  # BLOCK_T, warps
 
 
 def main() -> None:

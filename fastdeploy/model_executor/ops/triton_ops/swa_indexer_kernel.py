@@ -11,10 +11,11 @@ from fastdeploy.model_executor.ops.triton_ops.launcher import launch
 @triton.jit
 def _swa_indexer_kernel(
     pos_ptr, bid_ptr, bt_ptr, out_ptr, T, topk, max_blocks,
-    block_size, window,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    window,
+    BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One program: a [BLOCK_T tokens, BLOCK_K entries] tile of the output."""
+    """One program: a [BLOCK_T tokens, BLOCK_K entries] tile of the output. The cache block size
+    is a constexpr (a power of two), so // and % are shifts and masks, not integer divisions."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     t_ok = t < T
@@ -24,8 +25,8 @@ def _swa_indexer_kernel(
     n = tl.minimum(window, p + 1)
     q = (p - n + 1)[:, None] + j[None, :]  # [BLOCK_T, BLOCK_K] positions
     valid = real[:, None] & (j[None, :] < n[:, None])
-    blk = tl.load(bt_ptr + b[:, None].to(tl.int64) * max_blocks + q // block_size, mask=valid, other=-1)
-    slot = tl.where(valid & (blk >= 0), blk * block_size + q % block_size, -1)
+    blk = tl.load(bt_ptr + b[:, None].to(tl.int64) * max_blocks + q // BLOCK_SIZE, mask=valid, other=-1)
+    slot = tl.where(valid & (blk >= 0), blk * BLOCK_SIZE + q % BLOCK_SIZE, -1)
     out_mask = t_ok[:, None] & (j[None, :] < topk)
     tl.store(out_ptr + t[:, None].to(tl.int64) * topk + j[None, :], slot, mask=out_mask)
 
@@ -49,5 +50,5 @@ def launch_swa_indexer(
     meta = {"num_warps": num_warps} if num_warps else {}
     launch(
         _swa_indexer_kernel, grid, positions, batch_id_per_token, block_tables, out, T, topk,
-        int(block_tables.shape[1]), block_size, sliding_window, BLOCK_T=block_t, BLOCK_K=block_k, **meta,
+        int(block_tables.shape[1]), sliding_window, BLOCK_SIZE=block_size, BLOCK_T=block_t, BLOCK_K=block_k, **meta,
     )  # fmt: skip
