@@ -244,7 +244,7 @@ def indexer_case(T, W, g, ceil, sweep=False):
     ok = bool(torch.equal(out, indexer_torch(pos, bid, bt, BLOCK, W, W)))
     nbytes = T * (4 * W + 8)
     variants = []
-    for bt_, bk, nw in INDEXER_VARIANTS if sweep else [(16, 256, None)]:
+    for bt_, bk, nw in INDEXER_VARIANTS if sweep else [(8, 2048, 4)]:
         kw = dict(block_t=bt_, block_k=bk, num_warps=nw)
         out.fill_(-7)
         launch_swa_indexer(pos, bid, bt, out, BLOCK, W, **kw)
@@ -324,7 +324,7 @@ VARIANTS = [
     {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "split_mult": 4},
     {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "split_mult": 4},
 ]
-INDEXER_VARIANTS = [(16, 256, 4), (16, 1024, 4), (8, 1024, 8), (32, 512, 8), (4, 2048, 8)]  # BLOCK_T, BLOCK_K, warps
+INDEXER_VARIANTS = [(16, 1024, 4), (8, 2048, 4), (16, 2048, 8), (32, 1024, 8), (8, 1024, 4), (16, 512, 4), (4, 4096, 8)]
 FP8_WRITE_VARIANTS = [(32, 8), (64, 16), (32, 4), (64, 8), (16, 4)]  # BLOCK_T, warps
 
 
@@ -332,7 +332,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="bench_swa_kernels.json")
     ap.add_argument("--quick", action="store_true", help="fewer cases")
-    ap.add_argument("--variants", action="store_true", help="time the tuning variants of the sparse kernel")
+    ap.add_argument("--variants", action="store_true", help="time the tuning variants of the kernels")
+    ap.add_argument("--no-attention", action="store_true", help="only the indexer and the FP8 writer")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(int(time.time()))
     ceil = ceilings()
@@ -342,7 +343,7 @@ def main() -> None:
     results.append(fp8_write_case(65536, g, ceil, sweep=args.variants))
     Ts, Hs, Ws = ([128], [128, 16], [128, 4096]) if args.quick else ([64, 128], [128, 16], [128, 1024, 4096])
     var = VARIANTS if args.variants else None
-    for W in Ws:
+    for W in [] if args.no_attention else Ws:
         for H in Hs:
             for T in Ts:
                 results.append(sparse_case(T, H, W, False, g, ceil, var))

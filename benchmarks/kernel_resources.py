@@ -48,7 +48,7 @@ def cases():
     yield "swa_indexer", indexer._swa_indexer_kernel, {
         "pos_ptr": "*i32", "bid_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*i32", "T": "i32", "topk": "i32",
         "max_blocks": "i32", "window": "i32", "BLOCK_SIZE": "constexpr", "BLOCK_T": "constexpr",
-        "BLOCK_K": "constexpr"}, {"BLOCK_SIZE": 64, "BLOCK_T": 16, "BLOCK_K": 256}, {}  # fmt: skip
+        "BLOCK_K": "constexpr"}, {"BLOCK_SIZE": 64, "BLOCK_T": 8, "BLOCK_K": 2048}, {}  # fmt: skip
     sig = {"q_ptr": "*bf16", "cache_ptr": "*u8", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
            "H": "i32", "topk": "i32", "tiles_per_split": "i32", "qk_scale_log2": "fp32",
            "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_os": "i32", "stride_oh": "i32",

@@ -39,7 +39,7 @@ def swa_indexer_triton(
         out,
         block_size,
         sliding_window,
-        block_k=min(256, triton.next_power_of_2(topk)),
+        block_k=min(2048, triton.next_power_of_2(topk)),
     )
     return out
 

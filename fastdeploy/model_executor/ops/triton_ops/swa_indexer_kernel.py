@@ -38,11 +38,12 @@ def launch_swa_indexer(
     out,
     block_size: int,
     sliding_window: int,
-    block_t: int = 16,
-    block_k: int = 256,
-    num_warps: int | None = None,
+    block_t: int = 8,
+    block_k: int = 2048,
+    num_warps: int | None = 4,
 ) -> None:
-    """Framework-neutral launch; out int32 [T, topk], block_tables int32 [B, max_blocks]."""
+    """Framework-neutral launch; out int32 [T, topk], block_tables int32 [B, max_blocks].
+    Default tile (8 tokens x 2048 entries, 4 warps): the H200 sweep's fastest, 71% of copy."""
     T, topk = int(out.shape[0]), int(out.shape[1])
     if T == 0:
         return
