@@ -283,7 +283,7 @@ def fp8_write_case(T, g, ceil, sweep=False):
     ok = bool(torch.equal(got, want))
     nbytes = T * ((512 + 64) * 2 + 656 + 4)
     variants = []
-    for bt_, nw in FP8_WRITE_VARIANTS if sweep else [(32, 8)]:
+    for bt_, nw in FP8_WRITE_VARIANTS if sweep else [(16, 4)]:
         kw = dict(block_t=bt_, num_warps=nw)
         cache.zero_()
         launch_write_mla_fp8_cache(kv_c, k_pe, slots, cache, **kw)

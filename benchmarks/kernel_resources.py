@@ -42,7 +42,7 @@ def cases():
     """(name, kernel, signature, constexprs, options) for each kernel and tuned config."""
     yield "fp8_write", fp8._write_kernel, {
         "kv_c_ptr": "*bf16", "k_pe_ptr": "*bf16", "slot_ptr": "*i32", "cache_ptr": "*u8", "T": "i32",
-        "stride_kv": "i32", "stride_pe": "i32", "BLOCK_T": "constexpr"}, {"BLOCK_T": 32}, {"num_warps": 8}  # fmt: skip
+        "stride_kv": "i32", "stride_pe": "i32", "BLOCK_T": "constexpr"}, {"BLOCK_T": 16}, {"num_warps": 4}  # fmt: skip
     yield "fp8_dequant", fp8._dequant_kernel, {
         "rec_ptr": "*u8", "out_ptr": "*bf16", "N": "i32", "BLOCK_N": "constexpr"}, {"BLOCK_N": 8}, {}  # fmt: skip
     yield "swa_indexer", indexer._swa_indexer_kernel, {
