@@ -45,7 +45,12 @@ SCALE = 0.1352
 BLOCK = 64
 
 
-def bench(fn, rep_ms: int = 200) -> float:
+GRAPH = {"on": False}  # --cudagraph: time our kernels as CUDA-graph replays (no host launch cost)
+
+
+def bench(fn, rep_ms: int = 200, graph: bool = False) -> float:
+    if graph and GRAPH["on"]:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
@@ -209,7 +214,8 @@ def sparse_case(T, H, W, prefill, g, ceil, variants=None, check_tokens=64):
         err = max(rel_err(out[sub].float(), ref_o.float()), rel_err(lse[sub], ref_l))
         ok = bool(torch.isfinite(out).all()) and err < 2e-2
         ms = bench(
-            rotating(lambda i, o=out, l_=lse, k=kw: launch_sparse_mla(qs[i], caches[i], idx, o, l_, SCALE, **k), n_rot)
+            rotating(lambda i, o=out, l_=lse, k=kw: launch_sparse_mla(qs[i], caches[i], idx, o, l_, SCALE, **k), n_rot),
+            graph=True,
         )
         rows.append({"config": {**cfg, "block_h": bh, "block_n": bn, "num_splits": ns}, "ms": ms, "err": err, "ok": ok})
     if not variants:
@@ -250,7 +256,11 @@ def indexer_case(T, W, g, ceil, sweep=False):
         launch_swa_indexer(pos, bid, bt, out, BLOCK, W, **kw)
         good = bool(torch.equal(out, indexer_torch(pos, bid, bt, BLOCK, W, W)))
         variants.append(
-            {"config": kw, "ok": good, "ms": bench(lambda kw=kw: launch_swa_indexer(pos, bid, bt, out, BLOCK, W, **kw))}
+            {
+                "config": kw,
+                "ok": good,
+                "ms": bench(lambda kw=kw: launch_swa_indexer(pos, bid, bt, out, BLOCK, W, **kw), graph=True),
+            }
         )
     best = min((v for v in variants if v["ok"]), key=lambda v: v["ms"])
     ok, ms = ok and best["ok"], best["ms"]
@@ -288,7 +298,7 @@ def fp8_write_case(T, g, ceil, sweep=False):
         cache.zero_()
         launch_write_mla_fp8_cache(kv_c, k_pe, slots, cache, **kw)
         good = bool(torch.equal(cache.view(-1, 656)[slots.long()], want))
-        ms_v = bench(lambda kw=kw: launch_write_mla_fp8_cache(kv_c, k_pe, slots, cache, **kw))
+        ms_v = bench(lambda kw=kw: launch_write_mla_fp8_cache(kv_c, k_pe, slots, cache, **kw), graph=True)
         variants.append({"config": kw, "ok": good, "ms": ms_v})
     best = min((v for v in variants if v["ok"]), key=lambda v: v["ms"], default=variants[0])
     ok, ms = ok and all(v["ok"] for v in variants), best["ms"]
@@ -334,7 +344,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--variants", action="store_true", help="time the tuning variants of the kernels")
     ap.add_argument("--no-attention", action="store_true", help="only the indexer and the FP8 writer")
+    ap.add_argument("--cudagraph", action="store_true", help="time the project's kernels as CUDA-graph replays")
     args = ap.parse_args()
+    GRAPH["on"] = args.cudagraph
     g = torch.Generator().manual_seed(int(time.time()))
     ceil = ceilings()
     print(f"ceilings: {ceil}", flush=True)
