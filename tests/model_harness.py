@@ -40,8 +40,8 @@ class Harness:
         self.tables[dst] = list(self.tables[src][: n_tokens // self.block_size])
         self.lens[dst] = n_tokens
 
-    def step(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> dict[str, np.ndarray]:
-        """Run one step: each (request, new token ids); returns float64 logits [n, vocab] per request."""
+    def build_meta(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> ForwardMeta:
+        """ForwardMeta for one step of (request, new token ids), growing each request's blocks."""
         ids, enc, dec, tables = [], [], [], []
         for rid, toks in batch:
             start = self.lens.get(rid, 0)
@@ -53,7 +53,11 @@ class Harness:
             dec.append(start)
             tables.append(table)
             self.lens[rid] = start + len(toks)
-        meta = ForwardMeta.build(ids, enc, dec, tables, self.block_size)
+        return ForwardMeta.build(ids, enc, dec, tables, self.block_size)
+
+    def step(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> dict[str, np.ndarray]:
+        """Run one step: each (request, new token ids); returns float64 logits [n, vocab] per request."""
+        meta = self.build_meta(batch, decode)
         logits = self.model.compute_logits(self.model(meta, self.caches)).numpy().astype(np.float64)
         cu = meta.host["cu_seqlens_q"]
         return {rid: logits[cu[b] : cu[b + 1]] for b, (rid, _) in enumerate(batch)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastdeploy.cache_manager.block_manager import BlockManager
 from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -24,7 +24,6 @@ class EngineArgs:
     """The engine's settings; field names are the CLI flags (``--max-num-seqs`` ...)."""
 
     model: str = "tiny-mla-swa"
-    served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -36,7 +35,6 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
-    extra: dict = field(default_factory=dict)
 
     def create_config(self) -> FDConfig:
         model_dir = resolve_model(self.model)

@@ -27,9 +27,13 @@ logger = logging.getLogger("fastdeploy")
 CPU_KV_CACHE_BYTES = 512 * 2**20  # default KV pool on CPU (override: FD_CPU_KV_CACHE_BYTES)
 
 
+def on_gpu() -> bool:
+    return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+
+
 def resolve_dtype(dtype: str) -> str:
     if dtype == "auto":
-        return "bfloat16" if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0 else "float32"
+        return "bfloat16" if on_gpu() else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
     return dtype
@@ -53,7 +57,7 @@ def num_blocks_for(fd: FDConfig, model_dtype: str) -> int:
     if fd.cache_config.num_gpu_blocks:
         return fd.cache_config.num_gpu_blocks
     per_block = bytes_per_block(fd, model_dtype)
-    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+    if on_gpu():
         total = paddle.device.cuda.get_device_properties().total_memory
         budget = total * fd.cache_config.gpu_memory_utilization - paddle.device.cuda.memory_allocated()
     else:

@@ -10,7 +10,6 @@ from model_harness import Harness, assert_close_with_routing_flips, position_err
 from numpy_model_ref import forward, load_np, rms, rope_angles, rotate_pairs
 from numpy_refs import dequant_records
 
-from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.rotary_embedding import deepseek_softmax_scale
 from fastdeploy.tools.make_tiny_model import make_tiny_model
 
@@ -52,21 +51,10 @@ class LayerCase:
         self.hidden: dict[str, list[np.ndarray]] = {}
 
     def step(self, batch, decode=frozenset()):
-        ids, enc, dec, tables, xs = [], [], [], [], []
-        for rid, n in batch:
-            start = self.h.lens.get(rid, 0)
-            table = self.h.tables.setdefault(rid, [])
-            while len(table) * BS < start + n:
-                table.append(int(self.h.free.pop()))
-            x = self.rng.standard_normal((n, self.cfg["hidden_size"]))
+        xs = [self.rng.standard_normal((n, self.cfg["hidden_size"])) for _, n in batch]
+        for (rid, _), x in zip(batch, xs, strict=True):
             self.hidden.setdefault(rid, []).extend(list(x))
-            xs.append(x)
-            ids += [0] * n
-            enc.append(0 if rid in decode else n)
-            dec.append(start)
-            tables.append(table)
-            self.h.lens[rid] = start + n
-        meta = ForwardMeta.build(ids, enc, dec, tables, BS)
+        meta = self.h.build_meta([(rid, [0] * n) for rid, n in batch], decode)
         x = np.concatenate(xs)
         with paddle.no_grad():
             out = self.attn(paddle.to_tensor(x, "float32"), self.h.caches[0], meta).numpy()

@@ -328,7 +328,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
-        model=ns.model, served_model_name=ns.served_model_name, dtype=ns.dtype, max_model_len=ns.max_model_len,
+        model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
         num_gpu_blocks_override=ns.num_gpu_blocks_override, gpu_memory_utilization=ns.gpu_memory_utilization,
         enable_prefix_caching=ns.enable_prefix_caching, enable_chunked_prefill=ns.enable_chunked_prefill,

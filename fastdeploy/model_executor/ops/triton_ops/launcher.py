@@ -56,6 +56,11 @@ def enable_compat_before_triton() -> None:
         _ensure_paddle_compat()
 
 
+def stride(x: Any, dim: int) -> int:
+    """Element stride of a paddle (``strides``) or torch (``stride()``) tensor along ``dim``."""
+    return int(x.strides[dim]) if hasattr(x, "strides") else int(x.stride(dim))
+
+
 def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
     """Run ``kernel[grid](*args, **meta)``, making paddle tensor arguments acceptable to Triton."""
     if any(_is_paddle_tensor(a) for a in args):

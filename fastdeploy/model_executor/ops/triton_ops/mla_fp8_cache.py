@@ -12,6 +12,7 @@ records back into bf16 [..., 576] (512 latent then 64 rope). Each has a paddle r
 
 from __future__ import annotations
 
+import numpy as np
 import paddle
 
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import (
@@ -26,6 +27,7 @@ from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import (
     launch_dequant_mla_fp8_cache,
     launch_write_mla_fp8_cache,
 )
+from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32
 
 
 def _check_write_args(kv_c: paddle.Tensor, k_pe: paddle.Tensor, slot_mapping: paddle.Tensor, cache: paddle.Tensor):
@@ -66,10 +68,6 @@ def dequant_mla_fp8_cache(records: paddle.Tensor) -> paddle.Tensor:
 
 def _e4m3_codes_ref(q: paddle.Tensor) -> paddle.Tensor:
     """float32 |q| <= 448 -> uint8 e4m3fn codes, ties to even, by nearest-value search."""
-    import numpy as np
-
-    from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32
-
     pos = np.where(np.isfinite(E4M3_TO_F32[:128]), E4M3_TO_F32[:128], np.inf)[:127]  # codes 0..126
     grid = paddle.to_tensor(pos, dtype="float32")
     a = q.abs()
@@ -114,8 +112,6 @@ def dequant_mla_fp8_cache_ref(records: paddle.Tensor) -> paddle.Tensor:
     lead = list(records.shape[:-1])
     flat = records.reshape([-1, RECORD_BYTES])
     n = flat.shape[0]
-    from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32
-
     table = paddle.to_tensor(E4M3_TO_F32)
     vals = table[flat[:, :LATENT].astype("int64")].reshape([n, N_TILES, TILE])
     scale = flat[:, SCALE_OFFSET:ROPE_OFFSET].contiguous().view("float32").reshape([n, N_TILES, 1])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fastdeploy.model_executor.ops.triton_ops.launcher import launch
+from fastdeploy.model_executor.ops.triton_ops.launcher import launch, stride
 
 RECORD_BYTES = 656
 LATENT, ROPE, TILE, N_TILES = 512, 64, 128, 4
@@ -105,8 +105,7 @@ def launch_write_mla_fp8_cache(kv_c, k_pe, slot_mapping, cache, block_t: int = 1
         return
     launch(
         _write_kernel, (triton.cdiv(T, block_t),), kv_c, k_pe, slot_mapping, cache, T,
-        int(kv_c.strides[0]) if hasattr(kv_c, "strides") else kv_c.stride(0),
-        int(k_pe.strides[0]) if hasattr(k_pe, "strides") else k_pe.stride(0),
+        stride(kv_c, 0), stride(k_pe, 0),
         BLOCK_T=block_t, **({"num_warps": num_warps} if num_warps else {}),
     )  # fmt: skip
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode, launch
+from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode, launch, stride
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -171,7 +171,6 @@ def launch_sparse_mla(
         return
     tuned = tuned_config(T, H)
     block_h, block_n = block_h or tuned["block_h"], block_n or tuned["block_n"]
-    stride = (lambda x, i: int(x.strides[i])) if hasattr(q, "strides") else (lambda x, i: x.stride(i))
     meta = {"num_warps": num_warps or tuned["num_warps"], "num_stages": num_stages or tuned["num_stages"]}
     # The interpreter computes bf16 wrongly; on GPU, bf16 tensor-core dots (fp32 accumulate).
     dot_dtype = tl.float32 if interpret_mode() else tl.bfloat16
