@@ -191,7 +191,7 @@ def sparse_case(T, H, W, prefill, g, ceil, variants=None, check_tokens=64):
     for cfg in configs:
         bh = cfg["block_h"]
         bn = cfg["block_n"]
-        ns = cfg.get("num_splits", default_num_splits(T, H, topk, bh, bn) * cfg.get("split_mult", 1))
+        ns = cfg.get("num_splits", max(1, round(default_num_splits(T, H, topk, bh, bn) * cfg.get("split_mult", 1))))
         part = torch.empty(T, ns, H, 512, device=DEV) if ns > 1 else None
         part_l = torch.empty(T, ns, H, device=DEV) if ns > 1 else None
         out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -324,15 +324,21 @@ def fp8_write_case(T, g, ceil, sweep=False):
     }
 
 
-VARIANTS = [
+VARIANTS = [  # block_h 64: wgmma tiles (two warpgroups); 16 / 32: mma.sync tiles
     {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1},
-    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1, "split_mult": 3},
-    {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 1, "split_mult": 6},
-    {"block_h": 128, "block_n": 32, "num_warps": 16, "num_stages": 1},
-    {"block_h": 128, "block_n": 64, "num_warps": 16, "num_stages": 1},
+    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 1},
+    {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
+    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1, "split_mult": 2},
+    {"block_h": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
+    {"block_h": 32, "block_n": 64, "num_warps": 8, "num_stages": 2},
     {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2},
-    {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "split_mult": 4},
-    {"block_h": 16, "block_n": 64, "num_warps": 4, "num_stages": 2, "split_mult": 4},
+    {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
+    {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 3},
+    {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "split_mult": 0.5},
+    {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "split_mult": 2},
+    {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2, "split_mult": 0.5},
 ]
 INDEXER_VARIANTS = [(16, 1024, 4), (8, 2048, 4), (16, 2048, 8), (32, 1024, 8), (8, 1024, 4), (16, 512, 4), (4, 4096, 8)]
 FP8_WRITE_VARIANTS = [(32, 8), (64, 16), (32, 4), (64, 8), (16, 4)]  # BLOCK_T, warps
@@ -344,6 +350,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer cases")
     ap.add_argument("--variants", action="store_true", help="time the tuning variants of the kernels")
     ap.add_argument("--no-attention", action="store_true", help="only the indexer and the FP8 writer")
+    ap.add_argument("--cases", help="only these sparse cases, kind:T:H:W comma-separated (kind decode|prefill)")
     ap.add_argument("--cudagraph", action="store_true", help="time the project's kernels as CUDA-graph replays")
     args = ap.parse_args()
     GRAPH["on"] = args.cudagraph
@@ -351,11 +358,16 @@ def main() -> None:
     ceil = ceilings()
     print(f"ceilings: {ceil}", flush=True)
     results = []
-    results.append(indexer_case(16384, 4096, g, ceil, sweep=args.variants))
-    results.append(fp8_write_case(65536, g, ceil, sweep=args.variants))
+    if not args.cases:
+        results.append(indexer_case(16384, 4096, g, ceil, sweep=args.variants))
+        results.append(fp8_write_case(65536, g, ceil, sweep=args.variants))
     Ts, Hs, Ws = ([128], [128, 16], [128, 4096]) if args.quick else ([64, 128], [128, 16], [128, 1024, 4096])
     var = VARIANTS if args.variants else None
-    for W in [] if args.no_attention else Ws:
+    for case in args.cases.split(",") if args.cases else []:  # e.g. decode:128:16:4096
+        kind, T, H, W = case.split(":")
+        results.append(sparse_case(int(T), int(H), int(W), kind == "prefill", g, ceil, var))
+        print(json.dumps({k: results[-1][k] for k in ("kernel", "case", "ms", "ok", "best_config")}), flush=True)
+    for W in [] if args.no_attention or args.cases else Ws:
         for H in Hs:
             for T in Ts:
                 results.append(sparse_case(T, H, W, False, g, ceil, var))

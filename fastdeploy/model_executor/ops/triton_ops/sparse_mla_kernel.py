@@ -135,10 +135,11 @@ def _combine_kernel(
     tl.store(lse_ptr + t * H + h, tl.where(total > 0, m_ref + tl.log(total), float("inf")))
 
 
-# Tuned on an H200 (benchmarks/bench_swa_kernels.py --variants, 2026-12-02, triton 3.6): 64-head
-# tiles of 64 slots for 64+ heads; 16-head tiles of 32 slots with 2 stages below that (at 16
-# heads they beat 64-head tiles in 5 of 6 cases, and with more splits also in small decodes).
-TUNED_WIDE = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1}
+# Tuned on an H200 (benchmarks/bench_swa_kernels.py --variants, 2026-12-02, triton 3.6;
+# results/h200_2026-12-02_sweep2.json): 64-head tiles of 64 slots for 64+ heads, with 2 stages
+# (the pipeliner then prefetches the next tile's records into shared memory: 0.909 -> 0.758 ms
+# at 128 requests x 128 heads x W 4096); 16-head tiles of 32 slots with 2 stages below that.
+TUNED_WIDE = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 TUNED_NARROW = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
@@ -149,10 +150,11 @@ def tuned_config(T: int, H: int) -> dict:
 
 def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, num_sms: int = 132) -> int:
     """Split the index row when T x head-blocks programs would leave SMs idle; keep >= 2 tiles
-    a split so each split amortises its q load and partial write. Narrow tiles fit several
-    programs per SM and are latency-bound, so they aim for 8 programs an SM, wide ones for 2."""
+    a split so each split amortises its q load and partial write. Narrow tiles fit two
+    programs an SM and are latency-bound, so they aim for 4 programs an SM (4 beat 8 and 16 on
+    the H200 sweep: fewer float32 partials to write and merge), wide ones for 2."""
     programs = T * triton.cdiv(H, block_h)
-    target = (8 if block_h < 64 else 2) * num_sms
+    target = (4 if block_h < 64 else 2) * num_sms
     if programs >= (target if block_h < 64 else num_sms):  # wide: one wave already fills the SMs
         return 1
     return max(1, min(triton.cdiv(target, programs), triton.cdiv(topk, 2 * block_n), 32))
