@@ -327,6 +327,7 @@ def fp8_write_case(T, g, ceil, sweep=False):
 VARIANTS = [  # block_h 64: wgmma tiles (two warpgroups); 16 / 32: mma.sync tiles
     {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1},
     {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 3},
     {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 1},
     {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
     {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1, "split_mult": 2},
