@@ -150,14 +150,15 @@ def tuned_config(T: int, H: int) -> dict:
 
 def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, num_sms: int = 132) -> int:
     """Split the index row when T x head-blocks programs would leave SMs idle; keep >= 2 tiles
-    a split so each split amortises its q load and partial write. Both tile kinds aim for two
-    programs an SM: a wide program fills an SM alone (two waves), two narrow ones share an SM
-    (one wave). On the H200 sweep more splits lost: the float32 partials cost more than they hide
-    (16 heads, 128 requests, W 4096: 2 splits 0.405 ms, 4 0.430, 9 0.461)."""
+    a split so each split amortises its q load and partial write. Both tile kinds aim for at
+    most two programs an SM, rounding down so the last wave is full: a wide program fills an SM
+    alone (two waves), two narrow ones share an SM (one wave). On the H200, more splits lost
+    (16 heads, 128 requests, W 4096: 2 splits 0.405 ms, 4 0.430, 9 0.461) and so did a part
+    wave (3 splits: 384 programs on 264 slots, 0.555 ms)."""
     programs = T * triton.cdiv(H, block_h)
     if programs >= (num_sms if block_h >= 64 else 2 * num_sms):
         return 1
-    return max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(topk, 2 * block_n), 32))
+    return max(1, min(2 * num_sms // programs, triton.cdiv(topk, 2 * block_n), 32))
 
 
 def launch_sparse_mla(
