@@ -325,21 +325,14 @@ def fp8_write_case(T, g, ceil, sweep=False):
 
 
 VARIANTS = [  # block_h 64: wgmma tiles (two warpgroups); 16 / 32: mma.sync tiles
-    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1},
     {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
     {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 3},
-    {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 1},
     {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
-    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1, "split_mult": 2},
-    {"block_h": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
-    {"block_h": 32, "block_n": 64, "num_warps": 8, "num_stages": 2},
+    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 1},
+    {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2, "split_mult": 2},
     {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2},
-    {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 3},
     {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2},
-    {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 3},
-    {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "split_mult": 0.5},
     {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2, "split_mult": 2},
-    {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2, "split_mult": 0.5},
 ]
 INDEXER_VARIANTS = [(16, 1024, 4), (8, 2048, 4), (16, 2048, 8), (32, 1024, 8), (8, 1024, 4), (16, 512, 4), (4, 4096, 8)]
 FP8_WRITE_VARIANTS = [(32, 8), (64, 16), (32, 4), (64, 8), (16, 4)]  # BLOCK_T, warps

@@ -6,10 +6,13 @@ de-quantized 576-wide record (512 latent, 64 rope). lse is the natural-log sum o
 row with no valid slot gives out 0 and lse +inf.
 
 One program: BLOCK_H heads of one token over one split of its index row, walked in tiles of
-BLOCK_N slots with an online softmax (exp2 domain), each gathered tile de-quantized in
-registers. Masked loads (other=0) never touch an invalid slot's bytes. With several splits
-(split-KV, for batches too small to fill the GPU) each split writes a normalised float32 partial
-and its lse (-inf when empty), and ``_combine_kernel`` merges them.
+BLOCK_N slots with an online softmax (exp2 domain). Each gathered tile is de-quantized in
+registers as one [BLOCK_N, 512] latent block (viewed [BLOCK_N, 4, 128] so each 128-column scale
+tile multiplies its own columns), so QK is two dots (latent K=512, rope K=64) and PV one
+(N=512): on Hopper each is one run of wgmma instructions with one wait, where per-chunk dots
+waited nine times a tile. Masked loads (other=0) never touch an invalid slot's bytes. With
+several splits (split-KV, for batches too small to fill the GPU) each split writes a normalised
+float32 partial and its lse (-inf when empty), and ``_combine_kernel`` merges them.
 """
 
 from __future__ import annotations
@@ -24,19 +27,22 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _load_latent_chunk(rec, ok, c: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """De-quantize latent values 128*c .. 128*c+127 of BLOCK_N gathered records -> [BLOCK_N, 128].
-    Chunks follow the record's scale tiles, so each row needs one scale per chunk."""
-    col = tl.arange(0, 128)
-    codes = tl.load(rec[:, None] + (c * 128 + col)[None, :], mask=ok[:, None], other=0)
-    scale = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + c, mask=ok, other=0.0)
-    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DOT_DTYPE)
+def _load_q(q_row, h_ok, off: tl.constexpr, width: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """q columns off .. off+width-1 of BLOCK_H heads -> [BLOCK_H, width] DOT_DTYPE."""
+    col = tl.arange(0, width)
+    return tl.load(q_row + off + col[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
 
 
 @triton.jit
-def _load_q_chunk(q_row, h_ok, off: tl.constexpr, width: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    col = tl.arange(0, width)
-    return tl.load(q_row + off + col[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32).to(DOT_DTYPE)
+def _load_latent(rec, ok, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """De-quantize the 512 latent values of BLOCK_N gathered records -> [BLOCK_N, 512]: codes
+    viewed [N, 4, 128] times the record's 4 float32 scales (bytes 512..527), one per tile."""
+    tile = tl.arange(0, 4)
+    off = tile[:, None] * 128 + tl.arange(0, 128)[None, :]  # [4, 128] byte offsets
+    codes = tl.load(rec[:, None, None] + off[None, :, :], mask=ok[:, None, None], other=0)
+    scale = tl.load((rec + 512).to(tl.pointer_type(tl.float32))[:, None] + tile[None, :], mask=ok[:, None], other=0.0)
+    kv = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+    return tl.reshape(kv.to(DOT_DTYPE), [BLOCK_N, 512])
 
 
 @triton.jit
@@ -46,26 +52,18 @@ def _sparse_mla_kernel(
     stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
     EMPTY_LSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """The 512 latent columns are handled as 4 chunks of 128 (q0..q3, kv0..kv3, acc0..acc3):
-    gathers then need one scale per row and chunk, and address tensors stay [BLOCK_N, 128]."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     h_ok = h < H
     q_row = q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh
-    q0 = _load_q_chunk(q_row, h_ok, 0, 128, DOT_DTYPE)
-    q1 = _load_q_chunk(q_row, h_ok, 128, 128, DOT_DTYPE)
-    q2 = _load_q_chunk(q_row, h_ok, 256, 128, DOT_DTYPE)
-    q3 = _load_q_chunk(q_row, h_ok, 384, 128, DOT_DTYPE)
-    q_pe = _load_q_chunk(q_row, h_ok, 512, 64, DOT_DTYPE)
+    q_lat = _load_q(q_row, h_ok, 0, 512, DOT_DTYPE)
+    q_pe = _load_q(q_row, h_ok, 512, 64, DOT_DTYPE)
     r = tl.arange(0, 64)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc = tl.zeros([BLOCK_H, 512], tl.float32)
     idx_row = idx_ptr + t.to(tl.int64) * topk
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, topk)
@@ -75,38 +73,23 @@ def _sparse_mla_kernel(
         ok = slot >= 0
         rec = cache_ptr + slot.to(tl.int64) * 656
         pe = tl.load((rec + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=ok[:, None], other=0.0)
+        kv = _load_latent(rec, ok, BLOCK_N, DOT_DTYPE)  # [BLOCK_N, 512]
         s = tl.dot(q_pe, tl.trans(pe.to(tl.float32).to(DOT_DTYPE)))  # [BLOCK_H, BLOCK_N] fp32
-        kv0 = _load_latent_chunk(rec, ok, 0, DOT_DTYPE)
-        s = tl.dot(q0, tl.trans(kv0), s)
-        kv1 = _load_latent_chunk(rec, ok, 1, DOT_DTYPE)
-        s = tl.dot(q1, tl.trans(kv1), s)
-        kv2 = _load_latent_chunk(rec, ok, 2, DOT_DTYPE)
-        s = tl.dot(q2, tl.trans(kv2), s)
-        kv3 = _load_latent_chunk(rec, ok, 3, DOT_DTYPE)
-        s = tl.dot(q3, tl.trans(kv3), s)
+        s = tl.dot(q_lat, tl.trans(kv), s)
         s = tl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep exps at 0
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p.to(DOT_DTYPE)
-        acc0 = tl.dot(p, kv0, acc0 * alpha[:, None])
-        acc1 = tl.dot(p, kv1, acc1 * alpha[:, None])
-        acc2 = tl.dot(p, kv2, acc2 * alpha[:, None])
-        acc3 = tl.dot(p, kv3, acc3 * alpha[:, None])
+        acc = tl.dot(p.to(DOT_DTYPE), kv, acc * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0
     inv = 1.0 / tl.where(has, l_i, 1.0)
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, EMPTY_LSE)
     o_row = out_ptr + t.to(tl.int64) * stride_ot + split * stride_os + h[:, None] * stride_oh
-    col = tl.arange(0, 128)[None, :]
-    o_ty = out_ptr.dtype.element_ty
-    tl.store(o_row + col, (acc0 * inv[:, None]).to(o_ty), mask=h_ok[:, None])
-    tl.store(o_row + 128 + col, (acc1 * inv[:, None]).to(o_ty), mask=h_ok[:, None])
-    tl.store(o_row + 256 + col, (acc2 * inv[:, None]).to(o_ty), mask=h_ok[:, None])
-    tl.store(o_row + 384 + col, (acc3 * inv[:, None]).to(o_ty), mask=h_ok[:, None])
+    tl.store(o_row + tl.arange(0, 512)[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + split * stride_ls + h, lse, mask=h_ok)
 
 
@@ -135,17 +118,22 @@ def _combine_kernel(
     tl.store(lse_ptr + t * H + h, tl.where(total > 0, m_ref + tl.log(total), float("inf")))
 
 
-# Tuned on an H200 (benchmarks/bench_swa_kernels.py --variants, 2026-12-02, triton 3.6;
-# results/h200_2026-12-02_sweep2.json): 64-head tiles of 64 slots for 64+ heads, with 2 stages
-# (the pipeliner then prefetches the next tile's records into shared memory: 0.909 -> 0.758 ms
-# at 128 requests x 128 heads x W 4096); 16-head tiles of 32 slots with 2 stages below that.
+# Tuned on an H200 (benchmarks/bench_swa_kernels.py --variants and exp runs, 2026-12-02, triton
+# 3.6; results/h200_2026-12-02_sweep*.json): 64-head tiles of 64 slots with 2 stages (the
+# pipeliner then prefetches the next tile's records into shared memory: 0.909 -> 0.758 ms at 128
+# requests x 128 heads x W 4096, 0.72 with the one-block dots). Below 64 heads the 64-head tile
+# still wins decodes (16 heads, 128 requests, W 4096: 0.361 vs 0.396 ms) because its gathers are
+# pipelined and mma.sync tiles' are not; 16-head tiles of 32 slots win once there are enough
+# programs without splitting (prefill: 9.1 vs 11.6 ms at 4096 tokens, W 4096).
 TUNED_WIDE = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 TUNED_NARROW = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
-def tuned_config(T: int, H: int) -> dict:
+def tuned_config(T: int, H: int, num_sms: int = 132) -> dict:
     """Tile shape and launch options for T tokens of H heads (the recorded tuning, not a search)."""
-    return TUNED_WIDE if H >= 64 else TUNED_NARROW
+    if H >= 64 or T * triton.cdiv(H, 16) < 2 * num_sms:
+        return TUNED_WIDE
+    return TUNED_NARROW
 
 
 def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, num_sms: int = 132) -> int:
