@@ -53,10 +53,11 @@ def cases():
            "H": "i32", "topk": "i32", "tiles_per_split": "i32", "qk_scale_log2": "fp32",
            "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_os": "i32", "stride_oh": "i32",
            "stride_lt": "i32", "stride_ls": "i32", "EMPTY_LSE": "constexpr", "BLOCK_H": "constexpr",
-           "BLOCK_N": "constexpr", "DOT_DTYPE": "constexpr"}  # fmt: skip
+           "BLOCK_N": "constexpr", "DOT_DTYPE": "constexpr", "SPLIT_LATENT": "constexpr"}  # fmt: skip
     for tuned in (sparse.TUNED_WIDE, sparse.TUNED_NARROW):  # the recorded tunings
         bh, bn = tuned["block_h"], tuned["block_n"]
-        const = {"EMPTY_LSE": float("inf"), "BLOCK_H": bh, "BLOCK_N": bn, "DOT_DTYPE": tl.bfloat16}
+        const = {"EMPTY_LSE": float("inf"), "BLOCK_H": bh, "BLOCK_N": bn, "DOT_DTYPE": tl.bfloat16,
+                 "SPLIT_LATENT": bh < 64}  # fmt: skip
         opts = {"num_warps": tuned["num_warps"], "num_stages": tuned["num_stages"]}
         yield f"sparse_mla h{bh} n{bn}", sparse._sparse_mla_kernel, sig, const, opts
     yield "sparse_mla_combine", sparse._combine_kernel, {

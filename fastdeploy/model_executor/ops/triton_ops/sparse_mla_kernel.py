@@ -6,13 +6,17 @@ de-quantized 576-wide record (512 latent, 64 rope). lse is the natural-log sum o
 row with no valid slot gives out 0 and lse +inf.
 
 One program: BLOCK_H heads of one token over one split of its index row, walked in tiles of
-BLOCK_N slots with an online softmax (exp2 domain). Each gathered tile is de-quantized in
-registers as one [BLOCK_N, 512] latent block (viewed [BLOCK_N, 4, 128] so each 128-column scale
-tile multiplies its own columns), so QK is two dots (latent K=512, rope K=64) and PV one
-(N=512): on Hopper each is one run of wgmma instructions with one wait, where per-chunk dots
-waited nine times a tile. Masked loads (other=0) never touch an invalid slot's bytes. With
-several splits (split-KV, for batches too small to fill the GPU) each split writes a normalised
-float32 partial and its lse (-inf when empty), and ``_combine_kernel`` merges them.
+BLOCK_N slots with an online softmax (exp2 domain), each gathered tile de-quantized in
+registers. Masked loads (other=0) never touch an invalid slot's bytes. With several splits
+(split-KV, for batches too small to fill the GPU) each split writes a normalised float32 partial
+and its lse (-inf when empty), and ``_combine_kernel`` merges them.
+
+The 512 latent columns are handled one of two ways (SPLIT_LATENT):
+- one [BLOCK_N, 512] block (codes viewed [N, 4, 128] so each 128-column scale tile multiplies its
+  own columns): QK is two dots (latent K=512, rope K=64) and PV one (N=512). For 64-head tiles on
+  Hopper each dot is one run of wgmma instructions with one wait (3 a tile, against 9 for chunks).
+- four chunks of 128 (q0..q3, kv0..kv3, acc0..acc3), for mma.sync tiles (BLOCK_H < 64): their q
+  operand lives in registers, and one 512-wide q operand would take 128 of them.
 """
 
 from __future__ import annotations
@@ -46,24 +50,43 @@ def _load_latent(rec, ok, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _load_latent_chunk(rec, ok, c: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """De-quantize latent values 128*c .. 128*c+127 (scale tile c) of the records -> [N, 128]."""
+    codes = tl.load(rec[:, None] + (c * 128 + tl.arange(0, 128))[None, :], mask=ok[:, None], other=0)
+    scale = tl.load((rec + 512).to(tl.pointer_type(tl.float32)) + c, mask=ok, other=0.0)
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]).to(DOT_DTYPE)
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr, cache_ptr, idx_ptr, out_ptr, lse_ptr,
     H, topk, tiles_per_split, qk_scale_log2,
     stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
     EMPTY_LSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SPLIT_LATENT: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     h_ok = h < H
     q_row = q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh
-    q_lat = _load_q(q_row, h_ok, 0, 512, DOT_DTYPE)
     q_pe = _load_q(q_row, h_ok, 512, 64, DOT_DTYPE)
+    if SPLIT_LATENT:
+        q0 = _load_q(q_row, h_ok, 0, 128, DOT_DTYPE)
+        q1 = _load_q(q_row, h_ok, 128, 128, DOT_DTYPE)
+        q2 = _load_q(q_row, h_ok, 256, 128, DOT_DTYPE)
+        q3 = _load_q(q_row, h_ok, 384, 128, DOT_DTYPE)
+        acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+        acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+        acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+        acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+    else:
+        q_lat = _load_q(q_row, h_ok, 0, 512, DOT_DTYPE)
+        acc = tl.zeros([BLOCK_H, 512], tl.float32)
     r = tl.arange(0, 64)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, 512], tl.float32)
     idx_row = idx_ptr + t.to(tl.int64) * topk
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, topk)
@@ -73,23 +96,48 @@ def _sparse_mla_kernel(
         ok = slot >= 0
         rec = cache_ptr + slot.to(tl.int64) * 656
         pe = tl.load((rec + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=ok[:, None], other=0.0)
-        kv = _load_latent(rec, ok, BLOCK_N, DOT_DTYPE)  # [BLOCK_N, 512]
         s = tl.dot(q_pe, tl.trans(pe.to(tl.float32).to(DOT_DTYPE)))  # [BLOCK_H, BLOCK_N] fp32
-        s = tl.dot(q_lat, tl.trans(kv), s)
+        if SPLIT_LATENT:
+            kv0 = _load_latent_chunk(rec, ok, 0, DOT_DTYPE)
+            s = tl.dot(q0, tl.trans(kv0), s)
+            kv1 = _load_latent_chunk(rec, ok, 1, DOT_DTYPE)
+            s = tl.dot(q1, tl.trans(kv1), s)
+            kv2 = _load_latent_chunk(rec, ok, 2, DOT_DTYPE)
+            s = tl.dot(q2, tl.trans(kv2), s)
+            kv3 = _load_latent_chunk(rec, ok, 3, DOT_DTYPE)
+            s = tl.dot(q3, tl.trans(kv3), s)
+        else:
+            kv = _load_latent(rec, ok, BLOCK_N, DOT_DTYPE)  # [BLOCK_N, 512]
+            s = tl.dot(q_lat, tl.trans(kv), s)
         s = tl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep exps at 0
         alpha = tl.exp2(m_i - m_ref)
         p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(DOT_DTYPE), kv, acc * alpha[:, None])
+        p = p.to(DOT_DTYPE)
+        if SPLIT_LATENT:
+            acc0 = tl.dot(p, kv0, acc0 * alpha[:, None])
+            acc1 = tl.dot(p, kv1, acc1 * alpha[:, None])
+            acc2 = tl.dot(p, kv2, acc2 * alpha[:, None])
+            acc3 = tl.dot(p, kv3, acc3 * alpha[:, None])
+        else:
+            acc = tl.dot(p, kv, acc * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0
-    inv = 1.0 / tl.where(has, l_i, 1.0)
+    inv = 1.0 / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, EMPTY_LSE)
     o_row = out_ptr + t.to(tl.int64) * stride_ot + split * stride_os + h[:, None] * stride_oh
-    tl.store(o_row + tl.arange(0, 512)[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+    o_ty = out_ptr.dtype.element_ty
+    if SPLIT_LATENT:
+        col = tl.arange(0, 128)[None, :]
+        tl.store(o_row + col, (acc0 * inv).to(o_ty), mask=h_ok[:, None])
+        tl.store(o_row + 128 + col, (acc1 * inv).to(o_ty), mask=h_ok[:, None])
+        tl.store(o_row + 256 + col, (acc2 * inv).to(o_ty), mask=h_ok[:, None])
+        tl.store(o_row + 384 + col, (acc3 * inv).to(o_ty), mask=h_ok[:, None])
+    else:
+        tl.store(o_row + tl.arange(0, 512)[None, :], (acc * inv).to(o_ty), mask=h_ok[:, None])
     tl.store(lse_ptr + t.to(tl.int64) * stride_lt + split * stride_ls + h, lse, mask=h_ok)
 
 
@@ -118,13 +166,13 @@ def _combine_kernel(
     tl.store(lse_ptr + t * H + h, tl.where(total > 0, m_ref + tl.log(total), float("inf")))
 
 
-# Tuned on an H200 (benchmarks/bench_swa_kernels.py --variants and exp runs, 2026-12-02, triton
-# 3.6; results/h200_2026-12-02_sweep*.json): 64-head tiles of 64 slots with 2 stages (the
-# pipeliner then prefetches the next tile's records into shared memory: 0.909 -> 0.758 ms at 128
-# requests x 128 heads x W 4096, 0.72 with the one-block dots). Below 64 heads the 64-head tile
-# still wins decodes (16 heads, 128 requests, W 4096: 0.361 vs 0.396 ms) because its gathers are
-# pipelined and mma.sync tiles' are not; 16-head tiles of 32 slots win once there are enough
-# programs without splitting (prefill: 9.1 vs 11.6 ms at 4096 tokens, W 4096).
+# Tuned on an H200 (benchmarks/bench_swa_kernels.py --variants, 2026-12-02, triton 3.6;
+# results/h200_2026-12-02_sweep*.json): 64-head tiles of 64 slots with 2 stages (the pipeliner
+# then prefetches the next tile's records into shared memory: 0.909 -> 0.758 ms at 128 requests x
+# 128 heads x W 4096; 0.721 with the one-block latent). Below 64 heads the 64-head tile still wins
+# decodes (16 heads, 128 requests, W 4096: 0.359 vs 0.400 ms): its gathers are pipelined, the
+# mma.sync tiles' are not. 16-head tiles of 32 slots win once there are enough programs without
+# splitting (prefill, 16 heads, 4096 tokens, W 4096: 9.3 ms vs 10.4).
 TUNED_WIDE = {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 TUNED_NARROW = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
@@ -177,7 +225,8 @@ def launch_sparse_mla(
     launch(
         _sparse_mla_kernel, (T, triton.cdiv(H, block_h), num_splits), q, cache, indices, dst, dst_lse,
         H, topk, tiles_per_split, softmax_scale * LOG2E, stride(q, 0), stride(q, 1), *strides,
-        EMPTY_LSE=empty, BLOCK_H=block_h, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, **meta,
+        EMPTY_LSE=empty, BLOCK_H=block_h, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, SPLIT_LATENT=block_h < 64,
+        **meta,
     )  # fmt: skip
     if num_splits > 1:
         launch(_combine_kernel, (T, H), partial, partial_lse, out, lse, H, num_splits,
