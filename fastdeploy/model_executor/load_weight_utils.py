@@ -82,3 +82,7 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
                 raise CheckpointError(f"FP8 tensor {k} has no {s}")
             x = dequant_fp8_block(x, sources[s].get(s), k)
         p.set_value(paddle.to_tensor(x.astype(np.float32)).astype(p.dtype))
+    for layer in model.sublayers(include_self=True):  # weights derived from the loaded ones
+        hook = getattr(layer, "process_weights_after_loading", None)
+        if callable(hook):
+            hook()

@@ -81,3 +81,23 @@ def test_quantized_full_layer_caches(full_dir, ref_weights, kv, rng):
     assert np.median(exact) > 1e-6  # the quantization is there
     stored = forward(w, cfg, ids, kv_formats=[kv] * cfg["num_hidden_layers"])
     assert_close_with_routing_flips(got, stored, 1e-2, 5e-2)
+
+
+def test_absorbed_weights_are_prepared_once_after_loading(full_dir, rng):
+    """load_weights splits kv_b_proj into W_UK / W_UV once; a forward reads those, not kv_b_proj,
+    until process_weights_after_loading runs again."""
+    import paddle
+
+    ids = tokens(rng, 20)
+    h = Harness(full_dir)
+    attn = h.model.model.layers[0].self_attn
+    cfg = h.cfg
+    w = attn.kv_b_proj.weight.numpy().reshape(cfg.num_attention_heads, -1, 512)
+    np.testing.assert_array_equal(attn.w_uk.numpy(), w[:, : cfg.qk_nope_head_dim])
+    np.testing.assert_array_equal(attn.w_uv.numpy(), w[:, cfg.qk_nope_head_dim :])
+    before = Harness(full_dir).prefill("a", ids)
+    attn.kv_b_proj.weight.set_value(paddle.zeros_like(attn.kv_b_proj.weight))
+    assert rel(h.prefill("a", ids), before) < 1e-6  # the prepared weights, not the zeroed projection
+    attn.process_weights_after_loading()
+    assert rel(Harness(full_dir).prefill("b", ids), before) < 1e-6  # a fresh load is unaffected
+    assert rel(h.prefill("c", ids), before) > 1e-2  # now the zeroed projection counts

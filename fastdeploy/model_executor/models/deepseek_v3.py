@@ -62,6 +62,7 @@ class DeepseekV3MLAAttention(nn.Layer):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), dtype=dtype)
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, h, dtype=dtype)
+        self.w_uk = self.w_uv = None  # from kv_b_proj, by process_weights_after_loading
 
         self.is_swa = cfg.is_swa_layer(layer_id)
         theta = cfg.swa_rope_theta if self.is_swa and cfg.swa_rope_theta else cfg.rope_theta
@@ -73,10 +74,12 @@ class DeepseekV3MLAAttention(nn.Layer):
         else:
             self.mla_backend = MLAAttentionBackend(self.softmax_scale)
 
-    def _w_uk_uv(self) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """W_UK [H, nope, 512] and W_UV [H, v, 512] from kv_b_proj, float32."""
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj into W_UK [H, nope, 512] and W_UV [H, v, 512], float32, once: the loader
+        calls this after the weights land (call it again after changing kv_b_proj by hand), so a
+        forward does not re-cast the whole projection. Costs 4 * H * (nope + v) * 512 bytes a layer."""
         w = self.kv_b_proj.weight.astype("float32").reshape([self.num_heads, self.nope + self.v_dim, self.kv_lora_rank])
-        return w[:, : self.nope], w[:, self.nope :]
+        self.w_uk, self.w_uv = w[:, : self.nope].clone(), w[:, self.nope :].clone()  # contiguous copies
 
     def forward(self, hidden: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         """hidden [T, hidden] -> [T, hidden]."""
@@ -89,7 +92,9 @@ class DeepseekV3MLAAttention(nn.Layer):
         kv_a = self.kv_a_proj_with_mqa(hidden)
         kv_c = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
         q_pe, k_pe = self.rotary_emb(meta.positions, q[:, :, self.nope :], kv_a[:, self.kv_lora_rank :])
-        w_uk, w_uv = self._w_uk_uv()
+        if self.w_uk is None:
+            self.process_weights_after_loading()
+        w_uk, w_uv = self.w_uk, self.w_uv
         # absorbed query: q_nope through W_UK (per head), then the rotated rope part
         q_lat = paddle.einsum("thn,hnc->thc", q[:, :, : self.nope].astype("float32"), w_uk)
         q_abs = paddle.concat([q_lat, q_pe.astype("float32")], axis=-1)
