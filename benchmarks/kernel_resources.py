@@ -57,7 +57,7 @@ def cases():
     for tuned in (sparse.TUNED_WIDE, sparse.TUNED_NARROW):  # the recorded tunings
         bh, bn = tuned["block_h"], tuned["block_n"]
         const = {"EMPTY_LSE": float("inf"), "BLOCK_H": bh, "BLOCK_N": bn, "DOT_DTYPE": tl.bfloat16,
-                 "SPLIT_LATENT": bh < 64}  # fmt: skip
+                 "SPLIT_LATENT": bh < sparse.WGMMA_HEADS}  # fmt: skip
         opts = {"num_warps": tuned["num_warps"], "num_stages": tuned["num_stages"]}
         yield f"sparse_mla h{bh} n{bn}", sparse._sparse_mla_kernel, sig, const, opts
     yield "sparse_mla_combine", sparse._combine_kernel, {

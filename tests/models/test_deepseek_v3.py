@@ -4,6 +4,7 @@ prefill + decodes, chunked prefill and mixed batches give the logits of one-shot
 import json
 
 import numpy as np
+import paddle
 import pytest
 from model_harness import Harness, assert_close_with_routing_flips, position_errors, rel
 from numpy_model_ref import forward, load_np
@@ -86,8 +87,6 @@ def test_quantized_full_layer_caches(full_dir, ref_weights, kv, rng):
 def test_absorbed_weights_are_prepared_once_after_loading(full_dir, rng):
     """load_weights splits kv_b_proj into W_UK / W_UV once; a forward reads those, not kv_b_proj,
     until process_weights_after_loading runs again."""
-    import paddle
-
     ids = tokens(rng, 20)
     h = Harness(full_dir)
     attn = h.model.model.layers[0].self_attn

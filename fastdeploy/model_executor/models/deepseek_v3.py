@@ -92,17 +92,16 @@ class DeepseekV3MLAAttention(nn.Layer):
         kv_a = self.kv_a_proj_with_mqa(hidden)
         kv_c = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
         q_pe, k_pe = self.rotary_emb(meta.positions, q[:, :, self.nope :], kv_a[:, self.kv_lora_rank :])
-        if self.w_uk is None:
+        if self.w_uk is None:  # a model whose weights were not set by load_weights
             self.process_weights_after_loading()
-        w_uk, w_uv = self.w_uk, self.w_uv
         # absorbed query: q_nope through W_UK (per head), then the rotated rope part
-        q_lat = paddle.einsum("thn,hnc->thc", q[:, :, : self.nope].astype("float32"), w_uk)
+        q_lat = paddle.einsum("thn,hnc->thc", q[:, :, : self.nope].astype("float32"), self.w_uk)
         q_abs = paddle.concat([q_lat, q_pe.astype("float32")], axis=-1)
         if self.is_swa:
             latent = self.forward_swa_static(q_abs, kv_c, k_pe, cache, meta)
         else:
             latent = self.mla_backend.forward(q_abs, kv_c, k_pe, cache, meta)
-        out = paddle.einsum("thc,hvc->thv", latent.astype("float32"), w_uv)
+        out = paddle.einsum("thc,hvc->thv", latent.astype("float32"), self.w_uv)
         return self.o_proj(out.reshape([T, self.num_heads * self.v_dim]).astype(hidden.dtype))
 
     def forward_swa_static(

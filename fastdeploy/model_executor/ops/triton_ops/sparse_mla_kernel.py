@@ -27,7 +27,7 @@ import triton.language as tl
 from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode, launch, stride
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+WGMMA_HEADS = 64  # a warpgroup MMA's rows: head tiles this tall run on wgmma, smaller ones on mma.sync
 
 
 @triton.jit
@@ -179,7 +179,7 @@ TUNED_NARROW = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 def tuned_config(T: int, H: int, num_sms: int = 132) -> dict:
     """Tile shape and launch options for T tokens of H heads (the recorded tuning, not a search)."""
-    if H >= 64 or T * triton.cdiv(H, 16) < 2 * num_sms:
+    if H >= WGMMA_HEADS or T * triton.cdiv(H, TUNED_NARROW["block_h"]) < 2 * num_sms:
         return TUNED_WIDE
     return TUNED_NARROW
 
@@ -192,7 +192,7 @@ def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, nu
     (16 heads, 128 requests, W 4096: 2 splits 0.405 ms, 4 0.430, 9 0.461) and so did a part
     wave (3 splits: 384 programs on 264 slots, 0.555 ms)."""
     programs = T * triton.cdiv(H, block_h)
-    if programs >= (num_sms if block_h >= 64 else 2 * num_sms):
+    if programs >= (num_sms if block_h >= WGMMA_HEADS else 2 * num_sms):
         return 1
     return max(1, min(2 * num_sms // programs, triton.cdiv(topk, 2 * block_n), 32))
 
@@ -225,7 +225,7 @@ def launch_sparse_mla(
     launch(
         _sparse_mla_kernel, (T, triton.cdiv(H, block_h), num_splits), q, cache, indices, dst, dst_lse,
         H, topk, tiles_per_split, softmax_scale * LOG2E, stride(q, 0), stride(q, 1), *strides,
-        EMPTY_LSE=empty, BLOCK_H=block_h, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, SPLIT_LATENT=block_h < 64,
+        EMPTY_LSE=empty, BLOCK_H=block_h, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, SPLIT_LATENT=block_h < WGMMA_HEADS,
         **meta,
     )  # fmt: skip
     if num_splits > 1:
