@@ -352,22 +352,22 @@ def main() -> None:
     ceil = ceilings()
     print(f"ceilings: {ceil}", flush=True)
     results = []
-    if not args.cases:
+    if args.cases:  # e.g. decode:128:16:4096,prefill:4096:128:4096
+        cases = [
+            (int(T), int(H), int(W), kind == "prefill")
+            for kind, T, H, W in (c.split(":") for c in args.cases.split(","))
+        ]
+    else:  # the indexer, the writer, then per window and head count each decode size and a prefill
         results.append(indexer_case(16384, 4096, g, ceil, sweep=args.variants))
         results.append(fp8_write_case(65536, g, ceil, sweep=args.variants))
-    Ts, Hs, Ws = ([128], [128, 16], [128, 4096]) if args.quick else ([64, 128], [128, 16], [128, 1024, 4096])
+        Ts, Hs, Ws = ([128], [128, 16], [128, 4096]) if args.quick else ([64, 128], [128, 16], [128, 1024, 4096])
+        cases = [] if args.no_attention else [
+            (T, H, W, prefill) for W in Ws for H in Hs for T, prefill in [*((t, False) for t in Ts), (4096, True)]
+        ]  # fmt: skip
     var = VARIANTS if args.variants else None
-    for case in args.cases.split(",") if args.cases else []:  # e.g. decode:128:16:4096
-        kind, T, H, W = case.split(":")
-        results.append(sparse_case(int(T), int(H), int(W), kind == "prefill", g, ceil, var))
+    for T, H, W, prefill in cases:
+        results.append(sparse_case(T, H, W, prefill, g, ceil, var))
         print(json.dumps({k: results[-1][k] for k in ("kernel", "case", "ms", "ok", "best_config")}), flush=True)
-    for W in [] if args.no_attention or args.cases else Ws:
-        for H in Hs:
-            for T in Ts:
-                results.append(sparse_case(T, H, W, False, g, ceil, var))
-                print(json.dumps({k: results[-1][k] for k in ("kernel", "case", "ms", "ok")}), flush=True)
-            results.append(sparse_case(4096, H, W, True, g, ceil, var))
-            print(json.dumps({k: results[-1][k] for k in ("kernel", "case", "ms", "ok")}), flush=True)
     with open(args.json, "w") as f:
         json.dump({"ceilings": ceil, "date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=1)
     print(f"\n{ceil['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
