@@ -262,23 +262,8 @@ def indexer_case(T, W, g, ceil, sweep=False):
                 "ms": bench(lambda kw=kw: launch_swa_indexer(pos, bid, bt, out, BLOCK, W, **kw), graph=True),
             }
         )
-    best = min((v for v in variants if v["ok"]), key=lambda v: v["ms"])
-    ok, ms = ok and best["ok"], best["ms"]
     naive = bench(lambda: indexer_torch(pos, bid, bt, BLOCK, W, W))
-    gbps = nbytes / ms / 1e6
-    return {
-        "kernel": "swa_indexer",
-        "case": f"T={T} W={W}",
-        "ms": ms,
-        "GBps": gbps,
-        "frac_copy": gbps / ceil["copy_GBps"],
-        "naive_ms": naive,
-        "speedup": naive / ms,
-        "err": 0.0 if ok else 1.0,
-        "ok": ok,
-        "best_config": best["config"],
-        "variants": variants,
-    }
+    return memory_bound_row("swa_indexer", f"T={T} W={W}", variants, ok, 0.0 if ok else 1.0, nbytes, naive, ceil)
 
 
 def fp8_write_case(T, g, ceil, sweep=False):
@@ -300,25 +285,30 @@ def fp8_write_case(T, g, ceil, sweep=False):
         good = bool(torch.equal(cache.view(-1, 656)[slots.long()], want))
         ms_v = bench(lambda kw=kw: launch_write_mla_fp8_cache(kv_c, k_pe, slots, cache, **kw), graph=True)
         variants.append({"config": kw, "ok": good, "ms": ms_v})
-    best = min((v for v in variants if v["ok"]), key=lambda v: v["ms"], default=variants[0])
-    ok, ms = ok and all(v["ok"] for v in variants), best["ms"]
 
     def naive():
         cache.view(-1, 656)[slots.long()] = quantize_torch(kv_c, k_pe)
 
-    naive_ms = bench(naive)
-    gbps = nbytes / ms / 1e6
     mismatch = int((got != want).any(-1).sum())
+    return memory_bound_row("fp8_cache_write", f"T={T}", variants, ok, mismatch, nbytes, bench(naive), ceil)
+
+
+def memory_bound_row(kernel, case, variants, ok, err, nbytes, naive_ms, ceil):
+    """A memory-bound kernel's table row: its fastest correct variant against the copy ceiling;
+    correct only if the first check and every variant were."""
+    best = min((v for v in variants if v["ok"]), key=lambda v: v["ms"], default=variants[0])
+    ms = best["ms"]
+    gbps = nbytes / ms / 1e6
     return {
-        "kernel": "fp8_cache_write",
-        "case": f"T={T}",
+        "kernel": kernel,
+        "case": case,
         "ms": ms,
         "GBps": gbps,
         "frac_copy": gbps / ceil["copy_GBps"],
         "naive_ms": naive_ms,
         "speedup": naive_ms / ms,
-        "err": mismatch,
-        "ok": ok,
+        "err": err,
+        "ok": ok and all(v["ok"] for v in variants),
         "best_config": best["config"],
         "variants": variants,
     }
