@@ -41,9 +41,14 @@ def run(name: str, d: str, seed: int = 0) -> dict:
     ids = [int(x) for x in rng.integers(4, 500, 3 * W + 5)]
     w = load_np(d)
     got = Harness(d).prefill("a", ids)
-    res = {"checkpoint": name, "swa_layers": [i for i, x in enumerate(windows) if x], "W": W, "prompt": len(ids),
-           "vs_exact": stats(position_errors(got, forward(w, cfg, ids, windows))),
-           "vs_fp8_kv_reference": stats(position_errors(got, forward(w, cfg, ids, windows, fp8_kv=True)))}  # fmt: skip
+    res = {
+        "checkpoint": name,
+        "swa_layers": [i for i, x in enumerate(windows) if x],
+        "W": W,
+        "prompt": len(ids),
+        "vs_exact": stats(position_errors(got, forward(w, cfg, ids, windows))),
+        "vs_fp8_kv_reference": stats(position_errors(got, forward(w, cfg, ids, windows, fp8_kv=True))),
+    }
     llm = LLM(model=d, block_size=16, num_gpu_blocks_override=64, max_model_len=512)
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     gen = out[0].outputs[0].token_ids
@@ -68,12 +73,16 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
-    print(f"{'checkpoint':28} {'vs exact: median / p90':>24} {'vs FP8-KV ref: median / p90':>28} "
-          f"{'greedy 64 (exact / FP8-KV ref)':>30}")  # fmt: skip
+    print(
+        f"{'checkpoint':28} {'vs exact: median / p90':>24} {'vs FP8-KV ref: median / p90':>28} "
+        f"{'greedy 64 (exact / FP8-KV ref)':>30}"
+    )
     for r in runs:
         a, b = r["vs_exact"], r["vs_fp8_kv_reference"]
-        print(f"{r['checkpoint']:28} {a['median']:11.1e} / {a['p90']:8.1e} {b['median']:15.1e} / {b['p90']:8.1e} "
-              f"{r['greedy_agreement_64']:14.3f} / {r['greedy_agreement_64_fp8_kv_ref']:.3f}")  # fmt: skip
+        print(
+            f"{r['checkpoint']:28} {a['median']:11.1e} / {a['p90']:8.1e} {b['median']:15.1e} / {b['p90']:8.1e} "
+            f"{r['greedy_agreement_64']:14.3f} / {r['greedy_agreement_64_fp8_kv_ref']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,13 @@ def ops() -> list[dict]:
     for H, Tq in ((16, 64), (128, 16)):
         q = paddle.to_tensor(rng.standard_normal((Tq, H, 576)), "float32")
         idx = paddle.to_tensor(rng.integers(0, T, (Tq, W)).astype(np.int32))
-        out.append({"op": "sparse_mla_reference", "case": f"T={Tq} H={H} W={W}",
-                    "ms": timeit(lambda q=q, idx=idx: sparse_mla_reference(q, cache, idx, 0.135))})  # fmt: skip
+        out.append(
+            {
+                "op": "sparse_mla_reference",
+                "case": f"T={Tq} H={H} W={W}",
+                "ms": timeit(lambda q=q, idx=idx: sparse_mla_reference(q, cache, idx, 0.135)),
+            }
+        )
     return out
 
 
@@ -82,8 +87,11 @@ def model() -> dict:
     t = time.perf_counter()
     llm.generate(batch, sp)
     batch_s = time.perf_counter() - t
-    return {"prefill_tokens_per_s": 512 / prefill_s, "decode_tokens_per_s_1_seq": 128 / decode_s,
-            "decode_tokens_per_s_16_seqs": 16 * 128 / batch_s}  # fmt: skip
+    return {
+        "prefill_tokens_per_s": 512 / prefill_s,
+        "decode_tokens_per_s_1_seq": 128 / decode_s,
+        "decode_tokens_per_s_16_seqs": 16 * 128 / batch_s,
+    }
 
 
 def server() -> dict:
@@ -96,8 +104,21 @@ def server() -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--port", str(port), "--block-size", "16",
-           "--num-gpu-blocks-override", "400", "--max-model-len", "2048", "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastdeploy.entrypoints.openai.api_server",
+        "--port",
+        str(port),
+        "--block-size",
+        "16",
+        "--num-gpu-blocks-override",
+        "400",
+        "--max-model-len",
+        "2048",
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while True:
         try:
@@ -129,8 +150,10 @@ def server() -> dict:
         with ThreadPoolExecutor(conc) as ex:
             runs = list(ex.map(one, range(conc)))
         wall = time.perf_counter() - t
-        res[f"clients_{conc}"] = {"output_tokens_per_s": conc * 64 / wall,
-                                  "ttft_median_s": statistics.median(r[0] for r in runs)}  # fmt: skip
+        res[f"clients_{conc}"] = {
+            "output_tokens_per_s": conc * 64 / wall,
+            "ttft_median_s": statistics.median(r[0] for r in runs),
+        }
     proc.terminate()
     proc.wait()
     return res

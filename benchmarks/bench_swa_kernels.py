@@ -351,9 +351,13 @@ def main() -> None:
         results.append(indexer_case(16384, 4096, g, ceil, sweep=args.variants))
         results.append(fp8_write_case(65536, g, ceil, sweep=args.variants))
         Ts, Hs, Ws = ([128], [128, 16], [128, 4096]) if args.quick else ([64, 128], [128, 16], [128, 1024, 4096])
-        cases = [] if args.no_attention else [
-            (T, H, W, prefill) for W in Ws for H in Hs for T, prefill in [*((t, False) for t in Ts), (4096, True)]
-        ]  # fmt: skip
+        cases = (
+            []
+            if args.no_attention
+            else [
+                (T, H, W, prefill) for W in Ws for H in Hs for T, prefill in [*((t, False) for t in Ts), (4096, True)]
+            ]
+        )
     var = VARIANTS if args.variants else None
     for T, H, W, prefill in cases:
         results.append(sparse_case(T, H, W, prefill, g, ceil, var))

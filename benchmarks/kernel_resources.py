@@ -40,30 +40,98 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 def cases():
     """(name, kernel, signature, constexprs, options) for each kernel and tuned config."""
-    yield "fp8_write", fp8._write_kernel, {
-        "kv_c_ptr": "*bf16", "k_pe_ptr": "*bf16", "slot_ptr": "*i32", "cache_ptr": "*u8", "T": "i32",
-        "stride_kv": "i32", "stride_pe": "i32", "BLOCK_T": "constexpr"}, {"BLOCK_T": 16}, {"num_warps": 4}  # fmt: skip
-    yield "fp8_dequant", fp8._dequant_kernel, {
-        "rec_ptr": "*u8", "out_ptr": "*bf16", "N": "i32", "BLOCK_N": "constexpr"}, {"BLOCK_N": 8}, {}  # fmt: skip
-    yield "swa_indexer", indexer._swa_indexer_kernel, {
-        "pos_ptr": "*i32", "bid_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*i32", "T": "i32", "topk": "i32",
-        "max_blocks": "i32", "window": "i32", "BLOCK_SIZE": "constexpr", "BLOCK_T": "constexpr",
-        "BLOCK_K": "constexpr"}, {"BLOCK_SIZE": 64, "BLOCK_T": 8, "BLOCK_K": 2048}, {}  # fmt: skip
-    sig = {"q_ptr": "*bf16", "cache_ptr": "*u8", "idx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-           "H": "i32", "topk": "i32", "tiles_per_split": "i32", "qk_scale_log2": "fp32",
-           "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_os": "i32", "stride_oh": "i32",
-           "stride_lt": "i32", "stride_ls": "i32", "EMPTY_LSE": "constexpr", "BLOCK_H": "constexpr",
-           "BLOCK_N": "constexpr", "DOT_DTYPE": "constexpr", "SPLIT_LATENT": "constexpr"}  # fmt: skip
+    yield (
+        "fp8_write",
+        fp8._write_kernel,
+        {
+            "kv_c_ptr": "*bf16",
+            "k_pe_ptr": "*bf16",
+            "slot_ptr": "*i32",
+            "cache_ptr": "*u8",
+            "T": "i32",
+            "stride_kv": "i32",
+            "stride_pe": "i32",
+            "BLOCK_T": "constexpr",
+        },
+        {"BLOCK_T": 16},
+        {"num_warps": 4},
+    )
+    yield (
+        "fp8_dequant",
+        fp8._dequant_kernel,
+        {"rec_ptr": "*u8", "out_ptr": "*bf16", "N": "i32", "BLOCK_N": "constexpr"},
+        {"BLOCK_N": 8},
+        {},
+    )
+    yield (
+        "swa_indexer",
+        indexer._swa_indexer_kernel,
+        {
+            "pos_ptr": "*i32",
+            "bid_ptr": "*i32",
+            "bt_ptr": "*i32",
+            "out_ptr": "*i32",
+            "T": "i32",
+            "topk": "i32",
+            "max_blocks": "i32",
+            "window": "i32",
+            "BLOCK_SIZE": "constexpr",
+            "BLOCK_T": "constexpr",
+            "BLOCK_K": "constexpr",
+        },
+        {"BLOCK_SIZE": 64, "BLOCK_T": 8, "BLOCK_K": 2048},
+        {},
+    )
+    sig = {
+        "q_ptr": "*bf16",
+        "cache_ptr": "*u8",
+        "idx_ptr": "*i32",
+        "out_ptr": "*bf16",
+        "lse_ptr": "*fp32",
+        "H": "i32",
+        "topk": "i32",
+        "tiles_per_split": "i32",
+        "qk_scale_log2": "fp32",
+        "stride_qt": "i32",
+        "stride_qh": "i32",
+        "stride_ot": "i32",
+        "stride_os": "i32",
+        "stride_oh": "i32",
+        "stride_lt": "i32",
+        "stride_ls": "i32",
+        "EMPTY_LSE": "constexpr",
+        "BLOCK_H": "constexpr",
+        "BLOCK_N": "constexpr",
+        "DOT_DTYPE": "constexpr",
+        "SPLIT_LATENT": "constexpr",
+    }
     for tuned in (sparse.TUNED_WIDE, sparse.TUNED_NARROW):  # the recorded tunings
         bh, bn = tuned["block_h"], tuned["block_n"]
-        const = {"EMPTY_LSE": float("inf"), "BLOCK_H": bh, "BLOCK_N": bn, "DOT_DTYPE": tl.bfloat16,
-                 "SPLIT_LATENT": bh < sparse.WGMMA_HEADS}  # fmt: skip
+        const = {
+            "EMPTY_LSE": float("inf"),
+            "BLOCK_H": bh,
+            "BLOCK_N": bn,
+            "DOT_DTYPE": tl.bfloat16,
+            "SPLIT_LATENT": bh < sparse.WGMMA_HEADS,
+        }
         opts = {"num_warps": tuned["num_warps"], "num_stages": tuned["num_stages"]}
         yield f"sparse_mla h{bh} n{bn}", sparse._sparse_mla_kernel, sig, const, opts
-    yield "sparse_mla_combine", sparse._combine_kernel, {
-        "part_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32",
-        "num_splits": "i32", "S_POW2": "constexpr", "BLOCK_D": "constexpr"},\
-        {"S_POW2": 8, "BLOCK_D": 128}, {}  # fmt: skip
+    yield (
+        "sparse_mla_combine",
+        sparse._combine_kernel,
+        {
+            "part_ptr": "*fp32",
+            "part_lse_ptr": "*fp32",
+            "out_ptr": "*bf16",
+            "lse_ptr": "*fp32",
+            "H": "i32",
+            "num_splits": "i32",
+            "S_POW2": "constexpr",
+            "BLOCK_D": "constexpr",
+        },
+        {"S_POW2": 8, "BLOCK_D": 128},
+        {},
+    )
 
 
 def cubin_usage(cubin: bytes) -> dict:

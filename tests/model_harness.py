@@ -17,8 +17,14 @@ NAN_U8 = 0xFF  # every byte 0xFF: NaN fp8 codes, NaN float32 scales, NaN bf16 ro
 class Harness:
     """A loaded model, NaN-poisoned caches, and per-request block tables drawn at random."""
 
-    def __init__(self, model_dir: str, block_size: int = 16, num_blocks: int = 64, seed: int = 0,
-                 kv_cache_quant_type: str = "auto") -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: str,
+        block_size: int = 16,
+        num_blocks: int = 64,
+        seed: int = 0,
+        kv_cache_quant_type: str = "auto",
+    ) -> None:
         self.cfg = ModelConfig.from_pretrained(model_dir)
         self.model = DeepseekV3ForCausalLM(self.cfg, "float32")
         load_weights(self.model, model_dir, self.cfg.num_hidden_layers, show_progress=False)

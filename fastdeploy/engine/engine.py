@@ -40,12 +40,18 @@ class EngineArgs:
         model_dir = resolve_model(self.model)
         return FDConfig(
             ModelConfig.from_pretrained(model_dir),
-            CacheConfig(self.block_size, self.num_gpu_blocks_override, self.gpu_memory_utilization,
-                        self.kv_cache_dtype, self.enable_prefix_caching),
-            SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill,
-                            self.max_model_len),
+            CacheConfig(
+                self.block_size,
+                self.num_gpu_blocks_override,
+                self.gpu_memory_utilization,
+                self.kv_cache_dtype,
+                self.enable_prefix_caching,
+            ),
+            SchedulerConfig(
+                self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill, self.max_model_len
+            ),
             ParallelConfig(self.tensor_parallel_size),
-        )  # fmt: skip
+        )
 
 
 class LLMEngine:
@@ -62,8 +68,9 @@ class LLMEngine:
                 f"max_model_len={sc.max_model_len} needs more KV cache than the {self.runner.num_blocks} blocks "
                 f"({capacity} tokens) available; lower --max-model-len or raise --num-gpu-blocks-override"
             )
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          self.config.cache_config.enable_prefix_caching)  # fmt: skip
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.runner.block_size, self.config.cache_config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(sc, self.block_manager)
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
@@ -93,8 +100,10 @@ class LLMEngine:
             raise ValueError("prompt: must not be empty")
         limit = self.config.scheduler_config.max_model_len
         if len(ids) >= limit:
-            raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is {limit} (prompt plus at least one "
-                             "generated token must fit)")  # fmt: skip
+            raise ValueError(
+                f"prompt: {len(ids)} tokens, but max_model_len is {limit} (prompt plus at least one "
+                "generated token must fit)"
+            )
         return Request(request_id or uuid.uuid4().hex, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
 
     def enqueue(self, req: Request) -> None:
@@ -162,8 +171,9 @@ class LLMEngine:
                     req.output_text = req.output_text[:at]
                     reason = "stop"
                     break
-        if reason is None and (len(req.output_token_ids) >= sp.max_tokens
-                               or req.num_tokens >= self.config.scheduler_config.max_model_len):  # fmt: skip
+        if reason is None and (
+            len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.config.scheduler_config.max_model_len
+        ):
             reason = "length"
         if reason:
             req.finish_reason = reason

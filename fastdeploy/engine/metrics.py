@@ -82,8 +82,10 @@ class EngineMetrics:
             lines += [f"# HELP fastdeploy:{name} {doc}", f"# TYPE fastdeploy:{name} gauge", f"fastdeploy:{name} {v}"]
         for name, doc, v in counters:
             lines += [f"# HELP fastdeploy:{name} {doc}", f"# TYPE fastdeploy:{name} counter", f"fastdeploy:{name} {v}"]
-        lines += ["# HELP fastdeploy:request_success_total Finished requests by reason.",
-                  "# TYPE fastdeploy:request_success_total counter"]  # fmt: skip
+        lines += [
+            "# HELP fastdeploy:request_success_total Finished requests by reason.",
+            "# TYPE fastdeploy:request_success_total counter",
+        ]
         with self.lock:
             lines += [
                 f'fastdeploy:request_success_total{{finished_reason="{k}"}} {v}' for k, v in self.finished.items()

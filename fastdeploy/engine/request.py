@@ -76,5 +76,6 @@ class Request:
     def to_output(self) -> RequestOutput:
         lp = self.output_logprobs if self.sampling_params.logprobs is not None else None
         out = CompletionOutput(0, self.output_text, list(self.output_token_ids), lp, self.finish_reason)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [out], self.is_finished,
-                             self.num_cached_tokens)  # fmt: skip
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, [out], self.is_finished, self.num_cached_tokens
+        )

@@ -27,10 +27,13 @@ class SamplingParams:
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "must be -1 or >= 1"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             "must be an integer in 0..20"),
+            (
+                "logprobs",
+                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "must be an integer in 0..20",
+            ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-        ]  # fmt: skip
+        ]
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")

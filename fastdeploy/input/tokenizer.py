@@ -44,9 +44,11 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("this model's tokenizer_config.json has no chat_template; use /v1/completions")
         return self.chat_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        )  # fmt: skip
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
 
 
 def _token_text(tok) -> str | None:

@@ -72,9 +72,22 @@ class ForwardMeta:
             raise ValueError(f"{ids.shape[0]} input ids for {cu[-1]} scheduled tokens")
         t = paddle.to_tensor
         return cls(
-            input_ids=t(ids), positions=t(pos), batch_id_per_token=t(bid), seq_lens_encoder=t(enc),
-            seq_lens_decoder=t(dec), seq_lens_this_time=t(this), cu_seqlens_q=t(cu), block_tables=t(bt),
-            slot_mapping=t(slots), block_size=block_size,
-            host={"seq_lens_encoder": enc, "seq_lens_decoder": dec, "seq_lens_this_time": this, "cu_seqlens_q": cu,
-                  "block_tables": bt, "positions": pos},
-        )  # fmt: skip
+            input_ids=t(ids),
+            positions=t(pos),
+            batch_id_per_token=t(bid),
+            seq_lens_encoder=t(enc),
+            seq_lens_decoder=t(dec),
+            seq_lens_this_time=t(this),
+            cu_seqlens_q=t(cu),
+            block_tables=t(bt),
+            slot_mapping=t(slots),
+            block_size=block_size,
+            host={
+                "seq_lens_encoder": enc,
+                "seq_lens_decoder": dec,
+                "seq_lens_this_time": this,
+                "cu_seqlens_q": cu,
+                "block_tables": bt,
+                "positions": pos,
+            },
+        )

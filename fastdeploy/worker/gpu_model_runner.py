@@ -88,8 +88,12 @@ class GPUModelRunner:
             per_kind[kind] = (dtype, width * bs)
         for kind, (dtype, nbytes) in sorted(per_kind.items()):
             logger.info("KV cache %s layers: %s, %d bytes per block per layer", kind, dtype, nbytes)
-        logger.info("KV cache: %d blocks of %d tokens, %d bytes per block over all layers",
-                    num_blocks, bs, bytes_per_block(self.fd, self.dtype))  # fmt: skip
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %d bytes per block over all layers",
+            num_blocks,
+            bs,
+            bytes_per_block(self.fd, self.dtype),
+        )
         return caches
 
     def build_meta(self, scheduled: list[tuple[Request, int]]) -> ForwardMeta:

@@ -73,8 +73,13 @@ def test_eos_stops(llm, monkeypatch):
 def test_chunked_prefill_budget_same_tokens(llm, chunk, rng):
     ps = prompts(rng, [70, 100])
     want = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
-    small = LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=200, max_model_len=1024,
-                max_num_batched_tokens=chunk)  # fmt: skip
+    small = LLM(
+        model="tiny-mla-swa",
+        block_size=16,
+        num_gpu_blocks_override=200,
+        max_model_len=1024,
+        max_num_batched_tokens=chunk,
+    )
     assert [o.outputs[0].token_ids for o in small.generate(ps, GREEDY)] == want
 
 
@@ -94,8 +99,9 @@ def test_prefix_caching_same_tokens_and_hits(rng):
     shared = [int(x) for x in rng.integers(2, 500, 48)]
     ps = [{"prompt_token_ids": shared[:n] + [int(x) for x in rng.integers(2, 500, 9)]} for n in (16, 32, 48)]
     off = LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=100, max_model_len=512)
-    on = LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=100, max_model_len=512,
-             enable_prefix_caching=True)  # fmt: skip
+    on = LLM(
+        model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=100, max_model_len=512, enable_prefix_caching=True
+    )
     want = [o.outputs[0].token_ids for o in off.generate(ps, GREEDY)]
     on.generate([{"prompt_token_ids": shared + [1, 2, 3]}], GREEDY)  # warm the cache
     got = on.generate(ps, GREEDY)
@@ -125,8 +131,11 @@ def test_cache_allocation_per_layer_and_budget(tiny_model_dir):
     from fastdeploy.config import CacheConfig
 
     mc = ModelConfig.from_pretrained(tiny_model_dir)
-    for quant, full_dtype, full_bytes in (("auto", "float32", 576 * 4), ("bf16", "bfloat16", 576 * 2),
-                                          ("fp8", "uint8", 656)):  # fmt: skip
+    for quant, full_dtype, full_bytes in (
+        ("auto", "float32", 576 * 4),
+        ("bf16", "bfloat16", 576 * 2),
+        ("fp8", "uint8", 656),
+    ):
         fd = FDConfig(mc, CacheConfig(block_size=16, num_gpu_blocks=None, kv_cache_quant_type=quant))
         for i in range(mc.num_hidden_layers):
             want = ("uint8", 656) if mc.is_swa_layer(i) else (full_dtype, full_bytes)

@@ -88,8 +88,16 @@ def test_completion_and_chat_match_offline(client, offline):
     r = client.chat.completions.create(model="tiny-mla-swa", messages=msgs, max_tokens=8, temperature=0)
     assert r.choices[0].message.content == want.outputs[0].text and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(ids)
-    chunks = list(client.chat.completions.create(model="tiny-mla-swa", messages=msgs, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-mla-swa",
+            messages=msgs,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens == 8 and chunks[-2].choices[0].finish_reason == "length"
@@ -99,8 +107,14 @@ def test_logprobs_formats(client):
     r = client.completions.create(model="tiny-mla-swa", prompt="Hi", max_tokens=3, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(len(t) >= 2 for t in lp.top_logprobs)
-    r = client.chat.completions.create(model="tiny-mla-swa", messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    r = client.chat.completions.create(
+        model="tiny-mla-swa",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
     assert content[0].logprob == max(t.logprob for t in content[0].top_logprobs)
@@ -116,8 +130,9 @@ def test_16_concurrent_streams_match_alone_and_free_blocks(server, client, offli
     alone = [offline.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].text for p in prompts]
 
     def run(p):
-        s = client.completions.create(model="tiny-mla-swa", prompt=p, max_tokens=12, temperature=0, stream=True,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
+        s = client.completions.create(
+            model="tiny-mla-swa", prompt=p, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         return "".join(c.choices[0].text for c in s if c.choices)
 
     with ThreadPoolExecutor(16) as ex:
@@ -130,19 +145,29 @@ def test_prefix_cache_hits_show_in_metrics(server, client, offline):
     base, _ = server
     shared = "The cache stores 656 bytes a token: 512 e4m3 values, 4 float32 scales and 64 bf16 values. " * 2
     before = metric(base, "prefix_cache_hits_total")
-    outs = [client.completions.create(model="tiny-mla-swa", prompt=shared + s, max_tokens=6, temperature=0).choices[0]
-            .text for s in ("one", "two")]  # fmt: skip
+    outs = [
+        client.completions.create(model="tiny-mla-swa", prompt=shared + s, max_tokens=6, temperature=0).choices[0].text
+        for s in ("one", "two")
+    ]
     assert metric(base, "prefix_cache_hits_total") > before
-    want = [o.outputs[0].text for o in offline.generate([shared + "one", shared + "two"],
-                                                         SamplingParams(max_tokens=6, temperature=0))]  # fmt: skip
+    want = [
+        o.outputs[0].text
+        for o in offline.generate([shared + "one", shared + "two"], SamplingParams(max_tokens=6, temperature=0))
+    ]
     assert outs == want
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
     base, _ = server
     aborted = metric(base, 'request_success_total{finished_reason="abort"}')
-    body = {"model": "tiny-mla-swa", "prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny-mla-swa",
+        "prompt": "Hello",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -173,22 +198,40 @@ def test_disconnect_mid_stream_frees_blocks(server):
         ("/v1/completions", {"model": "tiny-mla-swa", "prompt": []}, 400, "prompt"),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ("/v1/chat/completions", {"model": "tiny-mla-swa", "messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"model": "tiny-mla-swa", "messages": [{"role": "robot", "content": "x"}]}, 400,
-         "messages"),
-        ("/v1/chat/completions", {"model": "tiny-mla-swa", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
-        ("/v1/chat/completions", {"model": "tiny-mla-swa", "messages": [{"role": "user", "content": "x"}],
-                                  "top_logprobs": 2}, 400, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny-mla-swa", "messages": [{"role": "robot", "content": "x"}]},
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "tiny-mla-swa",
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny-mla-swa", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_requests_name_the_field(server, path, body, status, field):
     base, _ = server
     r = httpx.post(base + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert field in err["message"] and err["type"]
-    ok = httpx.post(base + "/v1/completions", json={"model": "tiny-mla-swa", "prompt": "x", "max_tokens": 2},
-                    headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    ok = httpx.post(
+        base + "/v1/completions",
+        json={"model": "tiny-mla-swa", "prompt": "x", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     assert ok.status_code == 200  # the server keeps serving
 
 
@@ -208,8 +251,19 @@ def test_invalid_json_auth_health_models(server):
 def test_cli_serves_and_rejects_bad_flags(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--port", str(port),
-           "--block-size", "16", "--max-model-len", "256", "--num-gpu-blocks-override", "64"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastdeploy.entrypoints.openai.api_server",
+        "--port",
+        str(port),
+        "--block-size",
+        "16",
+        "--max-model-len",
+        "256",
+        "--num-gpu-blocks-override",
+        "64",
+    ]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120

@@ -43,9 +43,16 @@ def test_seed_reproduces_and_top_k_top_p_restrict(rng):
 
 @pytest.mark.parametrize(
     "kw, field",
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-     ({"top_p": 1.5}, "top_p"), ({"top_k": 0}, "top_k"), ({"logprobs": 50}, "logprobs"), ({"stop": [""]}, "stop")],
-)  # fmt: skip
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
 def test_sampling_params_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)

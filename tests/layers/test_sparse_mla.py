@@ -119,8 +119,19 @@ def _fake_flash_mla(calls):
     def get_mla_metadata():
         return ("sched", None)
 
-    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                               softmax_scale, causal, is_fp8_kvcache, indices, num_splits=None):  # fmt: skip
+    def flash_mla_with_kvcache(
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v,
+        tile_scheduler_metadata,
+        softmax_scale,
+        causal,
+        is_fp8_kvcache,
+        indices,
+        num_splits=None,
+    ):
         assert q.dim() == 4 and q.shape[0] == 1 and q.shape[2] in (64, 128) and q.dtype == torch.bfloat16
         assert k_cache.dtype == torch.uint8 and k_cache.shape[-1] == 656 and is_fp8_kvcache and not causal
         assert indices.shape[-1] % 64 == 0 and bool(((indices >= 0) | (indices == -1)).all())

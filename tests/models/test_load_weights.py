@@ -108,13 +108,17 @@ def _broken(base_dir, tmp_path, edit):
     "edit, match",
     [
         (lambda t: t.pop("model.layers.2.self_attn.kv_b_proj.weight"), "model.layers.2.self_attn.kv_b_proj.weight"),
-        (lambda t: t.update({"model.layers.0.self_attn.extra.weight": ("F32", np.ones(3, np.float32))}),
-         "unexpected tensor model.layers.0.self_attn.extra.weight"),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.extra.weight": ("F32", np.ones(3, np.float32))}),
+            "unexpected tensor model.layers.0.self_attn.extra.weight",
+        ),
         (lambda t: t.update({"lm_head.weight": ("F32", np.ones((3, 3), np.float32))}), "lm_head.weight has shape"),
-        (lambda t: t.update({"model.norm.weight": ("F8_E4M3", np.ones(128, np.uint8))}),
-         "no model.norm.weight_scale_inv"),
+        (
+            lambda t: t.update({"model.norm.weight": ("F8_E4M3", np.ones(128, np.uint8))}),
+            "no model.norm.weight_scale_inv",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_checkpoints_name_the_tensor(base_dir, tmp_path, edit, match):
     d = _broken(base_dir, tmp_path, edit)
     with pytest.raises(CheckpointError, match=match):

@@ -15,8 +15,11 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     res = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "kernel_resources.py"), "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())
     names = {r["kernel"].split()[0] for r in rows}

@@ -98,14 +98,27 @@ def test_dequant_matches_numpy_decode(deq, rng):
 
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="kv_c"):
-        m.write_mla_fp8_cache(paddle.zeros([2, 500]), paddle.zeros([2, 64]), paddle.zeros([2], "int32"),
-                              paddle.zeros([1, 4, 1, 656], "uint8"))  # fmt: skip
+        m.write_mla_fp8_cache(
+            paddle.zeros([2, 500]),
+            paddle.zeros([2, 64]),
+            paddle.zeros([2], "int32"),
+            paddle.zeros([1, 4, 1, 656], "uint8"),
+        )
     with pytest.raises(ValueError, match="cache"):
-        m.write_mla_fp8_cache(paddle.zeros([2, 512]), paddle.zeros([2, 64]), paddle.zeros([2], "int32"),
-                              paddle.zeros([1, 4, 1, 576], "bfloat16"))  # fmt: skip
+        m.write_mla_fp8_cache(
+            paddle.zeros([2, 512]),
+            paddle.zeros([2, 64]),
+            paddle.zeros([2], "int32"),
+            paddle.zeros([1, 4, 1, 576], "bfloat16"),
+        )
     with pytest.raises(ValueError, match="records"):
         m.dequant_mla_fp8_cache(paddle.zeros([4, 576], "uint8"))
-    m.write_mla_fp8_cache_ref(paddle.zeros([1, 512]), paddle.zeros([1, 64]), paddle.to_tensor([-1], "int32"),
-                              paddle.zeros([1, 4, 1, 656], "uint8"))  # fmt: skip
-    m.launch_write_mla_fp8_cache(paddle.zeros([0, 512]), paddle.zeros([0, 64]), paddle.zeros([0], "int32"),
-                                 paddle.zeros([1, 4, 1, 656], "uint8"))  # fmt: skip
+    m.write_mla_fp8_cache_ref(
+        paddle.zeros([1, 512]),
+        paddle.zeros([1, 64]),
+        paddle.to_tensor([-1], "int32"),
+        paddle.zeros([1, 4, 1, 656], "uint8"),
+    )
+    m.launch_write_mla_fp8_cache(
+        paddle.zeros([0, 512]), paddle.zeros([0, 64]), paddle.zeros([0], "int32"), paddle.zeros([1, 4, 1, 656], "uint8")
+    )

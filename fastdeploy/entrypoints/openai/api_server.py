@@ -80,15 +80,23 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room and max_tokens >= 1:
-            msg = (f"max_tokens: this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                   f"has {n_prompt} and max_tokens asks for {max_tokens} more")  # fmt: skip
+            msg = (
+                f"max_tokens: this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {n_prompt} and max_tokens asks for {max_tokens} more"
+            )
             raise APIError(400, msg, "max_tokens")
         try:
             return SamplingParams(
-                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                seed=body.seed, logprobs=logprobs, stop_token_ids=body.stop_token_ids or [],
-                stop=body.stop or [], ignore_eos=body.ignore_eos,
-            )  # fmt: skip
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                logprobs=logprobs,
+                stop_token_ids=body.stop_token_ids or [],
+                stop=body.stop or [],
+                ignore_eos=body.ignore_eos,
+            )
         except ValueError as e:
             raise APIError(400, str(e), _param_of(str(e))) from None
 
@@ -101,8 +109,12 @@ class OpenAIServer:
         if not ids:
             raise APIError(400, f"{param}: must not be empty", param)
         if len(ids) >= self.max_model_len:
-            raise APIError(400, f"{param}: {len(ids)} tokens, but this model's maximum context length is "
-                           f"{self.max_model_len} (prompt plus at least one generated token)", param)  # fmt: skip
+            raise APIError(
+                400,
+                f"{param}: {len(ids)} tokens, but this model's maximum context length is "
+                f"{self.max_model_len} (prompt plus at least one generated token)",
+                param,
+            )
         return ids
 
     def _start(self, ids: list[int], params: SamplingParams, rid: str, param: str):
@@ -135,9 +147,12 @@ class OpenAIServer:
         for s in toks:
             offsets.append(o)
             o += len(s)
-        return {"tokens": toks, "token_logprobs": [lp[t] for t, lp in zip(d.token_ids, d.logprobs, strict=True)],
-                "top_logprobs": [{self._token_str(k): v for k, v in lp.items()} for lp in d.logprobs],
-                "text_offset": offsets}  # fmt: skip
+        return {
+            "tokens": toks,
+            "token_logprobs": [lp[t] for t, lp in zip(d.token_ids, d.logprobs, strict=True)],
+            "top_logprobs": [{self._token_str(k): v for k, v in lp.items()} for lp in d.logprobs],
+            "text_offset": offsets,
+        }
 
     def _chat_logprobs(self, d: Delta, top_n: int) -> dict:
         def entry(t, v):
@@ -153,8 +168,12 @@ class OpenAIServer:
     @staticmethod
     def _usage(out: RequestOutput) -> dict:
         p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}  # fmt: skip
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        }
 
     async def respond(self, http: Request, rid: str, q, params: SamplingParams, body, chat: bool, top_n: int):
         obj = "chat.completion" if chat else "text_completion"
@@ -197,8 +216,9 @@ class OpenAIServer:
             if full is None:
                 full = d
             else:
-                full = Delta(full.text + d.text, full.token_ids + d.token_ids, full.logprobs + d.logprobs,
-                             d.finish_reason, d.out)  # fmt: skip
+                full = Delta(
+                    full.text + d.text, full.token_ids + d.token_ids, full.logprobs + d.logprobs, d.finish_reason, d.out
+                )
             if await http.is_disconnected():
                 self.engine.abort(rid)
                 return JSONResponse(error_body("client disconnected"), status_code=499)
@@ -270,8 +290,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     async def auth(request: Request, call_next):
         if srv.api_key and request.url.path.startswith("/v1"):
             if request.headers.get("authorization", "") != f"Bearer {srv.api_key}":
-                return JSONResponse(error_body("invalid or missing API key", kind="authentication_error"),
-                                    status_code=401)  # fmt: skip
+                return JSONResponse(
+                    error_body("invalid or missing API key", kind="authentication_error"), status_code=401
+                )
         return await call_next(request)
 
     @app.post("/v1/completions")
@@ -284,8 +305,13 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": srv.name, "object": "model", "created": srv.created, "owned_by": "fastdeploy",
-                "max_model_len": srv.max_model_len}  # fmt: skip
+        card = {
+            "id": srv.name,
+            "object": "model",
+            "created": srv.created,
+            "owned_by": "fastdeploy",
+            "max_model_len": srv.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -328,12 +354,19 @@ def make_parser() -> argparse.ArgumentParser:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
-        model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens, block_size=ns.block_size,
-        num_gpu_blocks_override=ns.num_gpu_blocks_override, gpu_memory_utilization=ns.gpu_memory_utilization,
-        enable_prefix_caching=ns.enable_prefix_caching, enable_chunked_prefill=ns.enable_chunked_prefill,
-        kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
-    )  # fmt: skip
+        model=ns.model,
+        dtype=ns.dtype,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        block_size=ns.block_size,
+        num_gpu_blocks_override=ns.num_gpu_blocks_override,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        enable_chunked_prefill=ns.enable_chunked_prefill,
+        kv_cache_dtype=ns.kv_cache_dtype,
+        tensor_parallel_size=ns.tensor_parallel_size,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,8 +14,9 @@ class LinearBase(nn.Layer):
     #: the weight dimension a TP split would cut: 0 (column / output), 1 (row / input), None (replicated)
     tp_split_dim: int | None = None
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: str = "float32",
-                 tp_size: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, dtype: str = "float32", tp_size: int = 1
+    ) -> None:
         super().__init__()
         if tp_size != 1:
             raise ValueError(f"tensor_parallel_size={tp_size} is not supported yet; use 1")

@@ -60,8 +60,9 @@ class MLAAttentionBackend:
             qb = q[start : start + n].astype("float32")  # [n, H, 576]
             logits = paddle.matmul(qb.reshape([n * H, 576]), kv, transpose_y=True).reshape([n, H, ctx])
             qpos = paddle.arange(ctx - n, ctx, dtype="int64").reshape([n, 1, 1])
-            logits = paddle.where(pos.reshape([1, 1, ctx]) <= qpos, logits * self.softmax_scale,
-                                  paddle.full_like(logits, float("-inf")))  # fmt: skip
+            logits = paddle.where(
+                pos.reshape([1, 1, ctx]) <= qpos, logits * self.softmax_scale, paddle.full_like(logits, float("-inf"))
+            )
             p = paddle.nn.functional.softmax(logits, axis=-1)
             out[start : start + n] = paddle.matmul(p.reshape([n * H, ctx]), kv[:, :512]).reshape([n, H, 512])
         return out

@@ -127,8 +127,17 @@ def sparse_mla_triton(
     if num_splits > 1:
         partial = paddle.empty([T, num_splits, H, 512], dtype="float32")
         partial_lse = paddle.empty([T, num_splits, H], dtype="float32")
-    launch_sparse_mla(q.contiguous(), kv_cache, idx, out, lse, softmax_scale, num_splits=num_splits,
-                      partial=partial, partial_lse=partial_lse)  # fmt: skip
+    launch_sparse_mla(
+        q.contiguous(),
+        kv_cache,
+        idx,
+        out,
+        lse,
+        softmax_scale,
+        num_splits=num_splits,
+        partial=partial,
+        partial_lse=partial_lse,
+    )
     return out, lse
 
 
@@ -214,10 +223,18 @@ def _flashmla(
         if isinstance(sched, tuple):  # releases that return (metadata, num_splits)
             sched, extra["num_splits"] = sched
         out, lse = flash_mla.flash_mla_with_kvcache(
-            _torch(qp.unsqueeze(0)), _torch(kv_cache), None, None, head_dim_v=512,
-            tile_scheduler_metadata=sched, softmax_scale=softmax_scale, causal=False,
-            is_fp8_kvcache=True, indices=_torch(idx.unsqueeze(0)), **extra,
-        )  # fmt: skip
+            _torch(qp.unsqueeze(0)),
+            _torch(kv_cache),
+            None,
+            None,
+            head_dim_v=512,
+            tile_scheduler_metadata=sched,
+            softmax_scale=softmax_scale,
+            causal=False,
+            is_fp8_kvcache=True,
+            indices=_torch(idx.unsqueeze(0)),
+            **extra,
+        )
         out = _paddle(out)[0]  # [T, hp, 512]
         lse = _paddle(lse)[0].transpose([1, 0])  # [hp, T] -> [T, hp]
     return out[:, :H].astype(out_dtype), lse[:, :H].astype("float32")

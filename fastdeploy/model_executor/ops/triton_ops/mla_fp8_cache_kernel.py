@@ -49,10 +49,15 @@ def _e4m3_byte(x):
 
 @triton.jit
 def _write_kernel(
-    kv_c_ptr, k_pe_ptr, slot_ptr, cache_ptr, T,
-    stride_kv, stride_pe,
+    kv_c_ptr,
+    k_pe_ptr,
+    slot_ptr,
+    cache_ptr,
+    T,
+    stride_kv,
+    stride_pe,
     BLOCK_T: tl.constexpr,
-):  # fmt: skip
+):
     """One program writes BLOCK_T records: [BLOCK_T, 4, 128] latent tiles, [BLOCK_T, 64] rope."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)
@@ -104,10 +109,18 @@ def launch_write_mla_fp8_cache(kv_c, k_pe, slot_mapping, cache, block_t: int = 1
     if T == 0:
         return
     launch(
-        _write_kernel, (triton.cdiv(T, block_t),), kv_c, k_pe, slot_mapping, cache, T,
-        stride(kv_c, 0), stride(k_pe, 0),
-        BLOCK_T=block_t, **({"num_warps": num_warps} if num_warps else {}),
-    )  # fmt: skip
+        _write_kernel,
+        (triton.cdiv(T, block_t),),
+        kv_c,
+        k_pe,
+        slot_mapping,
+        cache,
+        T,
+        stride(kv_c, 0),
+        stride(k_pe, 0),
+        BLOCK_T=block_t,
+        **({"num_warps": num_warps} if num_warps else {}),
+    )
 
 
 def launch_dequant_mla_fp8_cache(records, out, block_n: int = 8) -> None:

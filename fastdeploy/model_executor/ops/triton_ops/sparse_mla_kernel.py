@@ -59,12 +59,28 @@ def _load_latent_chunk(rec, ok, c: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _sparse_mla_kernel(
-    q_ptr, cache_ptr, idx_ptr, out_ptr, lse_ptr,
-    H, topk, tiles_per_split, qk_scale_log2,
-    stride_qt, stride_qh, stride_ot, stride_os, stride_oh, stride_lt, stride_ls,
-    EMPTY_LSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    q_ptr,
+    cache_ptr,
+    idx_ptr,
+    out_ptr,
+    lse_ptr,
+    H,
+    topk,
+    tiles_per_split,
+    qk_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_os,
+    stride_oh,
+    stride_lt,
+    stride_ls,
+    EMPTY_LSE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
     SPLIT_LATENT: tl.constexpr,
-):  # fmt: skip
+):
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -143,9 +159,15 @@ def _sparse_mla_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, part_lse_ptr, out_ptr, lse_ptr, H, num_splits,
-    S_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    part_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    H,
+    num_splits,
+    S_POW2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Merge split partials of one (token, head): weights exp(lse_s - max lse), normalised.
     partials float32 [T, S, H, 512], lse [T, S, H] (-inf = empty) -> out [T, H, 512], lse [T, H]."""
     t = tl.program_id(0).to(tl.int64)
@@ -159,8 +181,11 @@ def _combine_kernel(
     inv = tl.where(total > 0, 1.0 / total, 0.0)
     d = tl.arange(0, BLOCK_D)
     for d0 in range(0, 512, BLOCK_D):
-        part = tl.load(part_ptr + ((t * num_splits + s[:, None]) * H + h) * 512 + d0 + d[None, :],
-                       mask=(s < num_splits)[:, None], other=0.0)  # fmt: skip
+        part = tl.load(
+            part_ptr + ((t * num_splits + s[:, None]) * H + h) * 512 + d0 + d[None, :],
+            mask=(s < num_splits)[:, None],
+            other=0.0,
+        )
         o = tl.sum(part * (w * inv)[:, None], axis=0)
         tl.store(out_ptr + (t * H + h) * 512 + d0 + d, o.to(out_ptr.dtype.element_ty))
     tl.store(lse_ptr + t * H + h, tl.where(total > 0, m_ref + tl.log(total), float("inf")))
@@ -198,9 +223,21 @@ def default_num_splits(T: int, H: int, topk: int, block_h: int, block_n: int, nu
 
 
 def launch_sparse_mla(
-    q, cache, indices, out, lse, softmax_scale: float, *, block_h: int | None = None, block_n: int | None = None,
-    num_splits: int = 1, partial=None, partial_lse=None, num_warps: int | None = None, num_stages: int | None = None,
-) -> None:  # fmt: skip
+    q,
+    cache,
+    indices,
+    out,
+    lse,
+    softmax_scale: float,
+    *,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_splits: int = 1,
+    partial=None,
+    partial_lse=None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> None:
     """Framework-neutral launch: q bf16 [T, H, 576] (last dim contiguous), cache uint8
     [..., 656], indices int32 [T, topk] contiguous, out bf16 [T, H, 512], lse float32 [T, H].
     ``num_splits`` > 1 needs ``partial`` float32 [T, S, H, 512] and ``partial_lse`` [T, S, H]."""
@@ -223,11 +260,37 @@ def launch_sparse_mla(
         dst, dst_lse, empty = partial, partial_lse, float("-inf")
         strides = (num_splits * H * 512, H * 512, 512, num_splits * H, H)
     launch(
-        _sparse_mla_kernel, (T, triton.cdiv(H, block_h), num_splits), q, cache, indices, dst, dst_lse,
-        H, topk, tiles_per_split, softmax_scale * LOG2E, stride(q, 0), stride(q, 1), *strides,
-        EMPTY_LSE=empty, BLOCK_H=block_h, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, SPLIT_LATENT=block_h < WGMMA_HEADS,
+        _sparse_mla_kernel,
+        (T, triton.cdiv(H, block_h), num_splits),
+        q,
+        cache,
+        indices,
+        dst,
+        dst_lse,
+        H,
+        topk,
+        tiles_per_split,
+        softmax_scale * LOG2E,
+        stride(q, 0),
+        stride(q, 1),
+        *strides,
+        EMPTY_LSE=empty,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype,
+        SPLIT_LATENT=block_h < WGMMA_HEADS,
         **meta,
-    )  # fmt: skip
+    )
     if num_splits > 1:
-        launch(_combine_kernel, (T, H), partial, partial_lse, out, lse, H, num_splits,
-               S_POW2=triton.next_power_of_2(num_splits), BLOCK_D=128)  # fmt: skip
+        launch(
+            _combine_kernel,
+            (T, H),
+            partial,
+            partial_lse,
+            out,
+            lse,
+            H,
+            num_splits,
+            S_POW2=triton.next_power_of_2(num_splits),
+            BLOCK_D=128,
+        )

@@ -10,10 +10,18 @@ from fastdeploy.model_executor.ops.triton_ops.launcher import launch
 
 @triton.jit
 def _swa_indexer_kernel(
-    pos_ptr, bid_ptr, bt_ptr, out_ptr, T, topk, max_blocks,
+    pos_ptr,
+    bid_ptr,
+    bt_ptr,
+    out_ptr,
+    T,
+    topk,
+    max_blocks,
     window,
-    BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """One program: a [BLOCK_T tokens, BLOCK_K entries] tile of the output. The cache block size
     is a constexpr (a power of two), so // and % are shifts and masks, not integer divisions."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -50,6 +58,18 @@ def launch_swa_indexer(
     grid = (triton.cdiv(T, block_t), triton.cdiv(topk, block_k))
     meta = {"num_warps": num_warps} if num_warps else {}
     launch(
-        _swa_indexer_kernel, grid, positions, batch_id_per_token, block_tables, out, T, topk,
-        int(block_tables.shape[1]), sliding_window, BLOCK_SIZE=block_size, BLOCK_T=block_t, BLOCK_K=block_k, **meta,
-    )  # fmt: skip
+        _swa_indexer_kernel,
+        grid,
+        positions,
+        batch_id_per_token,
+        block_tables,
+        out,
+        T,
+        topk,
+        int(block_tables.shape[1]),
+        sliding_window,
+        BLOCK_SIZE=block_size,
+        BLOCK_T=block_t,
+        BLOCK_K=block_k,
+        **meta,
+    )
