@@ -22,8 +22,8 @@ import paddle
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fastdeploy import LLM, SamplingParams  # noqa: E402
-from fastdeploy.model_executor.layers.attention.sparse_mla import sparse_mla_reference  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import write_mla_fp8_cache_ref  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.sparse_mla import sparse_mla_reference  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer import swa_indexer_ref  # noqa: E402
 
 

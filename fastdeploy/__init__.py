@@ -10,7 +10,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from fastdeploy.engine.sampling_params import SamplingParams
+        from fastdeploy.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -82,10 +82,6 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    @property
-    def num_swa_flags(self) -> int:
-        return len(self.window_attn_skip_freq)
-
     def is_swa_layer(self, layer_id: int) -> bool:
         """True when layer ``layer_id`` (0-based; MTP layers follow the main ones) is SWA."""
         if not 0 <= layer_id < len(self.window_attn_skip_freq):
@@ -207,23 +203,25 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
 @dataclass
 class CacheConfig:
-    """KV cache settings. ``num_gpu_blocks`` None means: size from memory at start-up."""
+    """KV cache settings. ``num_gpu_blocks_override`` None means: size from memory at start-up.
+    ``kv_cache_dtype`` is the full-attention layers' cache format (SWA layers always keep the
+    656-byte FP8 record): auto (the model dtype), bf16 or fp8."""
 
     block_size: int = 64
-    num_gpu_blocks: int | None = None
+    num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_quant_type: str = "auto"
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.block_size) or self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
-        if self.num_gpu_blocks is not None and self.num_gpu_blocks <= 0:
-            raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks!r}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise ValueError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.kv_cache_quant_type not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_quant_type must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_quant_type!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass
@@ -245,7 +243,32 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet; use 1")
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} (--tensor-parallel-size) is not supported yet; use 1"
+            )
+
+
+SPARSE_MLA_PROVIDERS = ("flashmla", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which implementation runs, decided once at start-up (``kernel_select.select_kernels``) and
+    passed down; nothing below reads the environment to decide again.
+
+    triton: the window indexer, the FP8 cache writer and the cache de-quantizer run as Triton
+    kernels (on GPU, or in Triton's interpreter), else as their paddle references.
+    sparse_mla_provider: who computes SWA layers' sparse MLA attention (one of SPARSE_MLA_PROVIDERS).
+    The default is the CPU reference path."""
+
+    triton: bool = False
+    sparse_mla_provider: str = "reference"
+
+    def __post_init__(self) -> None:
+        if self.sparse_mla_provider not in SPARSE_MLA_PROVIDERS:
+            raise ValueError(
+                f"sparse_mla_provider must be one of {SPARSE_MLA_PROVIDERS}, got {self.sparse_mla_provider!r}"
+            )
 
 
 @dataclass
@@ -254,6 +277,7 @@ class FDConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         sc, mc = self.scheduler_config, self.model_config

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from fastdeploy.config import CacheConfig, FDConfig, ModelConfig
-from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig
+from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.worker.gpu_model_runner import cache_spec
@@ -15,7 +15,8 @@ NAN_U8 = 0xFF  # every byte 0xFF: NaN fp8 codes, NaN float32 scales, NaN bf16 ro
 
 
 class Harness:
-    """A loaded model, NaN-poisoned caches, and per-request block tables drawn at random."""
+    """A loaded model, NaN-poisoned caches, and per-request block tables drawn at random.
+    ``kernels`` picks the implementations (default: the CPU reference path)."""
 
     def __init__(
         self,
@@ -23,12 +24,14 @@ class Harness:
         block_size: int = 16,
         num_blocks: int = 64,
         seed: int = 0,
-        kv_cache_quant_type: str = "auto",
+        kv_cache_dtype: str = "auto",
+        kernels: KernelConfig | None = None,
     ) -> None:
         self.cfg = ModelConfig.from_pretrained(model_dir)
-        self.model = DeepseekV3ForCausalLM(self.cfg, "float32")
+        self.kernels = kernels or KernelConfig()
+        self.model = DeepseekV3ForCausalLM(self.cfg, "float32", self.kernels)
         load_weights(self.model, model_dir, self.cfg.num_hidden_layers, show_progress=False)
-        fd = FDConfig(self.cfg, CacheConfig(block_size, num_blocks, kv_cache_quant_type=kv_cache_quant_type))
+        fd = FDConfig(self.cfg, CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype))
         self.caches = []
         for i in range(self.cfg.num_hidden_layers):
             dtype, _ = cache_spec(fd, i, "float32")
@@ -59,13 +62,14 @@ class Harness:
             dec.append(start)
             tables.append(table)
             self.lens[rid] = start + len(toks)
-        return ForwardMeta.build(ids, enc, dec, tables, self.block_size)
+        builder = ForwardMetaBuilder(self.block_size, self.model.sliding_windows, self.kernels)
+        return builder.build(ids, enc, dec, tables)
 
     def step(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> dict[str, np.ndarray]:
         """Run one step: each (request, new token ids); returns float64 logits [n, vocab] per request."""
         meta = self.build_meta(batch, decode)
         logits = self.model.compute_logits(self.model(meta, self.caches)).numpy().astype(np.float64)
-        cu = meta.host["cu_seqlens_q"]
+        cu = meta.cu_seqlens_q
         return {rid: logits[cu[b] : cu[b + 1]] for b, (rid, _) in enumerate(batch)}
 
     def prefill(self, rid: str, toks: list[int], chunk: int | None = None) -> np.ndarray:

@@ -119,9 +119,9 @@ def test_unknown_keys_ignored_and_eos_list(tmp_path):
     [
         (CacheConfig, {"block_size": 48}, "block_size"),
         (CacheConfig, {"block_size": 0}, "block_size"),
-        (CacheConfig, {"num_gpu_blocks": 0}, "num_gpu_blocks"),
+        (CacheConfig, {"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
         (CacheConfig, {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-        (CacheConfig, {"kv_cache_quant_type": "int3"}, "kv_cache_quant_type"),
+        (CacheConfig, {"kv_cache_dtype": "int3"}, "kv_cache_dtype"),
         (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs"),
         (ParallelConfig, {"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ],

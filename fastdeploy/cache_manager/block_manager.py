@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from fastdeploy.engine.request import Request
+from fastdeploy.request import Request
 
 
 class BlockManager:
@@ -45,7 +45,7 @@ class BlockManager:
     def match_prefix(self, req: Request) -> int:
         """Take the longest cached run of the request's full blocks (keeping at least one token
         to compute); returns the number of cached tokens. Blocks are referenced by ``req``."""
-        if not self.enable_prefix_caching or req.block_ids:
+        if not self.enable_prefix_caching or req.block_table:
             return 0
         tokens = req.all_token_ids
         n_full = (len(tokens) - 1) // self.block_size
@@ -55,8 +55,8 @@ class BlockManager:
             if b is None:
                 break
             self._ref(b)
-            req.block_ids.append(b)
-        hit = len(req.block_ids) * self.block_size
+            req.block_table.append(b)
+        hit = len(req.block_table) * self.block_size
         self.prefix_hits += hit
         return hit
 
@@ -66,9 +66,9 @@ class BlockManager:
         self.ref_cnt[b] += 1
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Make ``req.block_ids`` cover num_computed_tokens + num_new_tokens; False (nothing
+        """Make ``req.block_table`` cover num_computed_tokens + num_new_tokens; False (nothing
         changed) when the pool is short."""
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_table)
         if need <= 0:
             return True
         if need > len(self.free):
@@ -79,7 +79,7 @@ class BlockManager:
                 self.hash_to_block.pop(self.block_hash[b], None)
                 self.block_hash[b] = None
             self.ref_cnt[b] = 1
-            req.block_ids.append(b)
+            req.block_table.append(b)
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -87,15 +87,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = req.num_computed_tokens // self.block_size
-        for b, h in zip(req.block_ids[:n_full], self._hashes(req.all_token_ids, n_full), strict=True):
+        for b, h in zip(req.block_table[:n_full], self._hashes(req.all_token_ids, n_full), strict=True):
             if self.block_hash[b] is None and h not in self.hash_to_block:
                 self.block_hash[b] = h
                 self.hash_to_block[h] = b
 
     def free_request(self, req: Request) -> None:
         """Drop the request's references; tail blocks first, so they are evicted first."""
-        for b in reversed(req.block_ids):
+        for b in reversed(req.block_table):
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self.free[b] = None
-        req.block_ids = []
+        req.block_table = []

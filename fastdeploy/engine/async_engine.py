@@ -13,8 +13,8 @@ import threading
 from collections.abc import AsyncIterator
 
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.engine.request import RequestOutput
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.request import RequestOutput
+from fastdeploy.sampling_params import SamplingParams
 
 logger = logging.getLogger("fastdeploy")
 

@@ -5,53 +5,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 from fastdeploy.cache_manager.block_manager import BlockManager
-from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from fastdeploy.engine.request import Request, RequestOutput
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.engine.args import EngineArgs
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
+from fastdeploy.request import Request, RequestOutput
+from fastdeploy.sampling_params import SamplingParams
 from fastdeploy.scheduler.scheduler import Scheduler
-from fastdeploy.tools.make_tiny_model import resolve_model
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger("fastdeploy")
-
-
-@dataclass
-class EngineArgs:
-    """The engine's settings; field names are the CLI flags (``--max-num-seqs`` ...)."""
-
-    model: str = "tiny-mla-swa"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 64
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = True
-    kv_cache_dtype: str = "auto"
-    tensor_parallel_size: int = 1
-
-    def create_config(self) -> FDConfig:
-        model_dir = resolve_model(self.model)
-        return FDConfig(
-            ModelConfig.from_pretrained(model_dir),
-            CacheConfig(
-                self.block_size,
-                self.num_gpu_blocks_override,
-                self.gpu_memory_utilization,
-                self.kv_cache_dtype,
-                self.enable_prefix_caching,
-            ),
-            SchedulerConfig(
-                self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill, self.max_model_len
-            ),
-            ParallelConfig(self.tensor_parallel_size),
-        )
 
 
 class LLMEngine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from fastdeploy.engine.request import Request
+from fastdeploy.request import Request
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fastdeploy.engine.engine import EngineArgs, LLMEngine
-from fastdeploy.engine.request import RequestOutput
-from fastdeploy.engine.sampling_params import SamplingParams
+from fastdeploy.engine.args import EngineArgs
+from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.request import RequestOutput
+from fastdeploy.sampling_params import SamplingParams
 
 
 class LLM:

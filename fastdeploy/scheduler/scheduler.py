@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from fastdeploy.cache_manager.block_manager import BlockManager
 from fastdeploy.config import SchedulerConfig
-from fastdeploy.engine.request import Request, RequestStatus
+from fastdeploy.request import Request, RequestStatus
 
 
 @dataclass

@@ -4,210 +4,17 @@
         [--sliding-window W] [--swa-layers IDS] [--first-k-dense-replace K]
 
 IDS is a comma list of SWA layer ids, ``all`` or ``none``. Same arguments, same bytes. The
-preset name ``tiny-mla-swa`` (see ``resolve_model``) builds the default into a cache folder.
+writer itself is ``fastdeploy.model_executor.tiny_checkpoint`` (the engine builds the
+``tiny-mla-swa`` preset with it); this module is its command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import tempfile
 
-import numpy as np
+from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model
 
-from fastdeploy.model_executor.safetensors_io import save_file
-
-TINY_PRESET = "tiny-mla-swa"
-PRESET_VERSION = 1
-
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}"
-    "{% elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] + eos_token }}"
-    "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
-)
-
-_CORPUS = [
-    "Hello, world! The quick brown fox jumps over the lazy dog.",
-    "Sliding-window attention lets each token see only the most recent tokens of its context.",
-    "DeepSeek-V3 compresses keys and values into a 512-wide latent vector with a 64-wide rotary part.",
-    "A serving engine batches requests, caches their keys and values in blocks, and streams tokens back.",
-    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
-    "Once upon a time there was a tiny model that could count: one, two, three, four, five.",
-    "The cache stores 656 bytes a token: 512 e4m3 values, 4 float32 scales and 64 bf16 values.",
-]
-
-
-def tiny_config(
-    num_layers: int = 4, sliding_window: int = 32, swa_layers: list[int] | None = None, first_k_dense: int = 1
-) -> dict:
-    """The tiny checkpoint's config.json. Default SWA layers: the even ones (both kinds present)."""
-    if swa_layers is None:
-        swa_layers = [i for i in range(num_layers) if i % 2 == 0]
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_size": 128,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 64,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 32,
-        "rope_theta": 10000.0,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 512,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
-        "intermediate_size": 256,
-        "moe_intermediate_size": 64,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "first_k_dense_replace": first_k_dense,
-        "moe_layer_freq": 1,
-        "n_group": 4,
-        "topk_group": 2,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 512,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-        "sliding_window": sliding_window,
-        "window_attn_skip_freq": [1 if i in swa_layers else 0 for i in range(num_layers)],
-    }
-
-
-def tiny_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
-    """Random float32 weights under DeepSeek-V3's tensor names and shapes."""
-    rng = np.random.default_rng(seed)
-    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
-    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
-    out: dict[str, np.ndarray] = {}
-
-    def lin(name: str, rows: int, cols: int) -> None:
-        out[name] = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    def norm(name: str, n: int) -> None:
-        out[name] = (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    out["model.embed_tokens.weight"] = rng.standard_normal((cfg["vocab_size"], h)).astype(np.float32)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        norm(p + "input_layernorm.weight", h)
-        norm(p + "post_attention_layernorm.weight", h)
-        a = p + "self_attn."
-        if cfg["q_lora_rank"]:
-            lin(a + "q_a_proj.weight", cfg["q_lora_rank"], h)
-            norm(a + "q_a_layernorm.weight", cfg["q_lora_rank"])
-            lin(a + "q_b_proj.weight", nh * qk, cfg["q_lora_rank"])
-        else:
-            lin(a + "q_proj.weight", nh * qk, h)
-        lin(a + "kv_a_proj_with_mqa.weight", cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], h)
-        norm(a + "kv_a_layernorm.weight", cfg["kv_lora_rank"])
-        lin(a + "kv_b_proj.weight", nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"])
-        lin(a + "o_proj.weight", h, nh * cfg["v_head_dim"])
-        m = p + "mlp."
-        if i < cfg["first_k_dense_replace"]:
-            _mlp(lin, m, h, cfg["intermediate_size"])
-        else:
-            lin(m + "gate.weight", cfg["n_routed_experts"], h)
-            out[m + "gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(cfg["n_routed_experts"])).astype(
-                np.float32
-            )
-            for e in range(cfg["n_routed_experts"]):
-                _mlp(lin, f"{m}experts.{e}.", h, cfg["moe_intermediate_size"])
-            _mlp(lin, m + "shared_experts.", h, cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
-    norm("model.norm.weight", h)
-    lin("lm_head.weight", cfg["vocab_size"], h)
-    return out
-
-
-def _mlp(lin, prefix: str, hidden: int, inter: int) -> None:
-    lin(prefix + "gate_proj.weight", inter, hidden)
-    lin(prefix + "up_proj.weight", inter, hidden)
-    lin(prefix + "down_proj.weight", hidden, inter)
-
-
-def write_safetensors(path: str, tensors: dict[str, np.ndarray], bf16: bool = True) -> None:
-    """float32 arrays -> a safetensors file; bf16 except ``e_score_correction_bias`` (float32, as
-    DeepSeek-V3 ships it)."""
-    save_file(
-        path,
-        {k: ("F32" if not bf16 or k.endswith("e_score_correction_bias") else "BF16", v) for k, v in tensors.items()},
-        metadata={"format": "pt"},
-    )
-
-
-def build_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on a fixed corpus; deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS, EOS, USER, ASSISTANT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    return tok
-
-
-def make_tiny_model(
-    out_dir: str,
-    seed: int = 0,
-    num_layers: int = 4,
-    sliding_window: int = 32,
-    swa_layers: list[int] | None = None,
-    first_k_dense: int = 1,
-) -> str:
-    """Write the checkpoint into ``out_dir`` (created); returns ``out_dir``."""
-    cfg = tiny_config(num_layers, sliding_window, swa_layers, first_k_dense)
-    os.makedirs(out_dir, exist_ok=True)
-    tok = build_tokenizer(cfg["vocab_size"])
-    cfg["vocab_size"] = max(cfg["vocab_size"], tok.get_vocab_size())
-    cfg["bos_token_id"], cfg["eos_token_id"] = tok.token_to_id(BOS), tok.token_to_id(EOS)
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    tok_cfg = {
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": EOS,
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": cfg["max_position_embeddings"],
-        "tokenizer_class": "LlamaTokenizerFast",
-    }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(tok_cfg, f, indent=2, sort_keys=True, ensure_ascii=False)
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), tiny_weights(cfg, seed))
-    return out_dir
+__all__ = ["make_tiny_model", "parse_swa_layers", "main"]
 
 
 def parse_swa_layers(ids: str, num_layers: int) -> list[int]:
@@ -226,26 +33,6 @@ def parse_swa_layers(ids: str, num_layers: int) -> list[int]:
             raise ValueError(f"--swa-layers: layer id {i} outside 0..{num_layers - 1}")
         out.append(i)
     return sorted(set(out))
-
-
-def cache_root() -> str:
-    return os.environ.get("FD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fastdeploy")
-
-
-def resolve_model(model: str) -> str:
-    """A model path as given, or the ``tiny-mla-swa`` preset built once into the cache folder."""
-    if model != TINY_PRESET:
-        return model
-    target = os.path.join(cache_root(), f"{TINY_PRESET}-v{PRESET_VERSION}")
-    if not os.path.isfile(os.path.join(target, "model.safetensors")):
-        os.makedirs(cache_root(), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=TINY_PRESET + "-", dir=cache_root())
-        make_tiny_model(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process built it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def main(argv: list[str] | None = None) -> None:

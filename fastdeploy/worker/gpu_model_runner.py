@@ -1,9 +1,9 @@
-"""Model runner: KV cache allocation, ForwardMeta building, the model run, sampling.
+"""Model runner: KV cache allocation, the step's ForwardMeta, the model run, sampling.
 
 On a machine without a GPU it runs on paddle's CPU place; the name stays for parity with
 FastDeploy. Caches, one per layer (DESIGN.md §4): SWA layers uint8 [num_blocks, block_size, 1,
 656] (FP8 records); full layers [num_blocks, block_size, 1, 576] in the model dtype, bf16
-("bf16") or the same FP8 record ("fp8"), as kv_cache_quant_type says.
+("bf16") or the same FP8 record ("fp8"), as kv_cache_dtype says.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import numpy as np
 import paddle
 
 from fastdeploy.config import FDConfig
-from fastdeploy.engine.request import Request
-from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.layers.sampler import SampleResult, sample
 from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import RECORD_BYTES
+from fastdeploy.request import Request
 
 logger = logging.getLogger("fastdeploy")
 
@@ -41,9 +41,9 @@ def resolve_dtype(dtype: str) -> str:
 
 def cache_spec(fd: FDConfig, layer_id: int, model_dtype: str) -> tuple[str, int]:
     """(dtype, bytes per token entry) of one layer's cache."""
-    if fd.model_config.is_swa_layer(layer_id) or fd.cache_config.kv_cache_quant_type == "fp8":
+    if fd.model_config.is_swa_layer(layer_id) or fd.cache_config.kv_cache_dtype == "fp8":
         return "uint8", RECORD_BYTES
-    dtype = "bfloat16" if fd.cache_config.kv_cache_quant_type == "bf16" else model_dtype
+    dtype = "bfloat16" if fd.cache_config.kv_cache_dtype == "bf16" else model_dtype
     return dtype, 576 * paddle.to_tensor([], dtype=dtype).element_size()
 
 
@@ -54,8 +54,8 @@ def bytes_per_block(fd: FDConfig, model_dtype: str) -> int:
 
 def num_blocks_for(fd: FDConfig, model_dtype: str) -> int:
     """The pool size: the override, else the memory budget over the real bytes per block."""
-    if fd.cache_config.num_gpu_blocks:
-        return fd.cache_config.num_gpu_blocks
+    if fd.cache_config.num_gpu_blocks_override:
+        return fd.cache_config.num_gpu_blocks_override
     per_block = bytes_per_block(fd, model_dtype)
     if on_gpu():
         total = paddle.device.cuda.get_device_properties().total_memory
@@ -70,10 +70,11 @@ class GPUModelRunner:
         self.fd = fd_config
         self.dtype = resolve_dtype(dtype)
         mc = fd_config.model_config
-        self.model = DeepseekV3ForCausalLM(mc, self.dtype)
+        self.model = DeepseekV3ForCausalLM(mc, self.dtype, fd_config.kernel_config)
         self.model.eval()
         load_weights(self.model, mc.model_dir, mc.num_hidden_layers, show_progress=True)
         self.block_size = fd_config.cache_config.block_size
+        self.meta_builder = ForwardMetaBuilder(self.block_size, self.model.sliding_windows, fd_config.kernel_config)
         self.num_blocks = num_blocks_for(fd_config, self.dtype)
         self.caches = self.allocate_caches(self.num_blocks)
 
@@ -104,8 +105,8 @@ class GPUModelRunner:
             is_decode = n == 1 and req.output_token_ids and start == req.num_tokens - 1
             enc.append(0 if is_decode else n)
             dec.append(start)
-            tables.append(req.block_ids)
-        return ForwardMeta.build(ids, enc, dec, tables, self.block_size)
+            tables.append(req.block_table)
+        return self.meta_builder.build(ids, enc, dec, tables)
 
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[SampleResult | None]:
         """Run one step; a sample for each request whose tokens are now all computed, else None."""
@@ -117,7 +118,7 @@ class GPUModelRunner:
         results: list[SampleResult | None] = [None] * len(scheduled)
         if not samples_at:
             return results
-        last_tok = meta.host["cu_seqlens_q"][1:] - 1
+        last_tok = meta.cu_seqlens_q[1:] - 1
         logits = self.model.compute_logits(hidden, paddle.to_tensor(last_tok[samples_at])).numpy()
         states = [scheduled[i][0].sampling_state for i in samples_at]
         for i, r in zip(samples_at, sample(np.asarray(logits), states), strict=True):

@@ -5,7 +5,7 @@ import pytest
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.config import FDConfig, ModelConfig
-from fastdeploy.engine.engine import EngineArgs
+from fastdeploy.engine.args import EngineArgs
 from fastdeploy.worker.gpu_model_runner import bytes_per_block, cache_spec, num_blocks_for
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -136,7 +136,7 @@ def test_cache_allocation_per_layer_and_budget(tiny_model_dir):
         ("bf16", "bfloat16", 576 * 2),
         ("fp8", "uint8", 656),
     ):
-        fd = FDConfig(mc, CacheConfig(block_size=16, num_gpu_blocks=None, kv_cache_quant_type=quant))
+        fd = FDConfig(mc, CacheConfig(block_size=16, num_gpu_blocks_override=None, kv_cache_dtype=quant))
         for i in range(mc.num_hidden_layers):
             want = ("uint8", 656) if mc.is_swa_layer(i) else (full_dtype, full_bytes)
             assert cache_spec(fd, i, "float32") == want
@@ -144,7 +144,7 @@ def test_cache_allocation_per_layer_and_budget(tiny_model_dir):
         per_block = 16 * (656 * n_swa + full_bytes * (mc.num_hidden_layers - n_swa))
         assert bytes_per_block(fd, "float32") == per_block
         assert num_blocks_for(fd, "float32") == (512 * 2**20) // per_block
-        assert fd.cache_config.kv_cache_quant_type == quant  # choosing SWA's format did not clear it
+        assert fd.cache_config.kv_cache_dtype == quant  # choosing SWA's format did not clear it
 
 
 def test_runner_allocates_the_specs(llm):

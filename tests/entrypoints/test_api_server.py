@@ -15,8 +15,9 @@ import pytest
 import uvicorn
 
 from fastdeploy import LLM, SamplingParams
+from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.async_engine import AsyncLLMEngine
-from fastdeploy.engine.engine import EngineArgs, LLMEngine
+from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.entrypoints.openai import api_server
 
 KEY = "test-key"
@@ -281,5 +282,5 @@ def test_cli_serves_and_rejects_bad_flags(tmp_path):
     bad = subprocess.run([*cmd[:3], "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--tensor-parallel-size" in bad.stderr
     ns = api_server.make_parser().parse_args(["--kv-cache-dtype", "fp8", "--enable-prefix-caching"])
-    a = api_server.engine_args_from(ns)
+    a = EngineArgs.from_cli_args(ns)
     assert a.kv_cache_dtype == "fp8" and a.enable_prefix_caching and a.block_size == 64

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.layers.sampler import SamplingState, sample
+from fastdeploy.sampling_params import SamplingParams
 
 
 def test_greedy_and_logprobs(rng):

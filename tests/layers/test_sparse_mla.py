@@ -10,7 +10,10 @@ import pytest
 import torch
 from numpy_refs import dequant_records, sparse_mla_np
 
-from fastdeploy.model_executor.layers.attention import sparse_mla as sm
+from fastdeploy.config import KernelConfig
+from fastdeploy.model_executor.kernel_select import select_kernels
+from fastdeploy.model_executor.layers.attention import sparse_mla_providers as sm
+from fastdeploy.model_executor.ops.triton_ops import sparse_mla as ops_sm
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import write_mla_fp8_cache_ref
 
 SCALE = 0.1352
@@ -63,15 +66,15 @@ def test_providers_match_float64(provider, T, H, topk, rng):
 def test_triton_split_kv(num_splits, rng):
     q, cache, idx = make_case(rng, 6, 16, 300)
     idx[5, 64:] = -1  # some splits of this row are empty
-    out, lse = sm.sparse_mla_triton(q, cache, paddle.to_tensor(idx), SCALE, num_splits=num_splits)
+    out, lse = ops_sm.sparse_mla_triton(q, cache, paddle.to_tensor(idx), SCALE, num_splits=num_splits)
     check(q, cache, idx, out, lse)
 
 
 def test_reference_chunks_and_empty(rng):
     q, cache, idx = make_case(rng, 9, 16, 64)
-    out, lse = sm.sparse_mla_reference(q, cache, paddle.to_tensor(idx), SCALE, chunk=4)
+    out, lse = ops_sm.sparse_mla_reference(q, cache, paddle.to_tensor(idx), SCALE, chunk=4)
     check(q, cache, idx, out, lse)
-    out, lse = sm.sparse_mla_reference(q[:0], cache, paddle.to_tensor(idx[:0]), SCALE)
+    out, lse = ops_sm.sparse_mla_reference(q[:0], cache, paddle.to_tensor(idx[:0]), SCALE)
     assert list(out.shape) == [0, 16, 512] and list(lse.shape) == [0, 16]
 
 
@@ -83,27 +86,31 @@ def test_bad_inputs_named(rng):
         sm.sparse_mla_attention(q, cache.astype("int32"), paddle.to_tensor(idx), SCALE, provider="reference")
     with pytest.raises(ValueError, match="indices"):
         sm.sparse_mla_attention(q, cache, paddle.to_tensor(idx[:1]), SCALE, provider="reference")
-    with pytest.raises(ValueError, match="unknown sparse MLA provider"):
-        sm.select_provider("cuda")
+    with pytest.raises(ValueError, match="unknown provider 'cuda'"):
+        sm.sparse_mla_attention(q, cache, paddle.to_tensor(idx), SCALE, provider="cuda")
+    with pytest.raises(ValueError, match="sparse_mla_provider: unknown provider 'cuda'"):
+        select_kernels(sparse_mla_provider="cuda")
     with pytest.raises(ValueError, match="flash_mla"):
-        sm.select_provider("flashmla")
+        select_kernels(sparse_mla_provider="flashmla")
 
 
-def test_auto_selection_is_made_once_and_logged(monkeypatch, caplog):
-    monkeypatch.setattr(sm, "_chosen", None)
-    monkeypatch.setenv("FD_SPARSE_MLA_PROVIDER", "auto")
+def test_kernel_selection_by_argument(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="fastdeploy"):
-        assert sm.select_provider() == "reference"  # interpreter mode is not a GPU
-        assert sm.select_provider("auto") == "reference"
+        chosen = select_kernels()
+    assert chosen == KernelConfig(triton=False, sparse_mla_provider="reference")  # interpreter mode is not a GPU
     assert sum("provider: reference" in r.message for r in caplog.records) == 1
-    monkeypatch.setattr(sm, "_chosen", None)
-    monkeypatch.setenv("FD_SPARSE_MLA_PROVIDER", "triton")
-    assert sm.select_provider() == "triton"
-    monkeypatch.setattr(sm, "_chosen", None)
+    assert select_kernels("auto", "triton") == KernelConfig(triton=False, sparse_mla_provider="triton")
+    assert select_kernels("triton") == KernelConfig(triton=True, sparse_mla_provider="triton")
+    assert select_kernels("triton", "reference") == KernelConfig(triton=True, sparse_mla_provider="reference")
+    with pytest.raises(ValueError, match="kernel_backend: unknown backend 'cuda'"):
+        select_kernels("cuda")
+    with pytest.raises(ValueError, match="sparse_mla_provider must be one of"):
+        KernelConfig(sparse_mla_provider="auto")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="CUDA"):
-        sm.select_provider()
-    monkeypatch.setattr(sm, "_chosen", None)
+    with pytest.raises(ValueError, match="sparse_mla_provider: 'triton' needs a CUDA"):
+        select_kernels(sparse_mla_provider="triton")
+    with pytest.raises(ValueError, match="kernel_backend: 'triton' needs a CUDA"):
+        select_kernels("triton")
 
 
 # ---------------------------------------------------------------- FlashMLA, faked
@@ -162,7 +169,7 @@ def _fake_flash_mla(calls):
 def test_flashmla_provider_pads_and_slices(is_prefill, H, rng, monkeypatch):
     calls = []
     monkeypatch.setitem(sys.modules, "flash_mla", _fake_flash_mla(calls))
-    assert sm.select_provider("flashmla") == "flashmla"
+    assert select_kernels(sparse_mla_provider="flashmla").sparse_mla_provider == "flashmla"
     q, cache, idx = make_case(rng, 6, H, 72)
     idx[4, 0] = -7  # any negative becomes -1 before FlashMLA sees it
     out, lse = sm.sparse_mla_attention(

@@ -76,7 +76,7 @@ def test_quantized_full_layer_caches(full_dir, ref_weights, kv, rng):
     """bf16 or FP8-record caches on full layers: small, visible error; with FP8 the reference that
     rounds every layer's kv_c / k_pe like the record agrees closely."""
     ids = tokens(rng, 50)
-    got = Harness(full_dir, kv_cache_quant_type=kv).prefill("a", ids)
+    got = Harness(full_dir, kv_cache_dtype=kv).prefill("a", ids)
     w, cfg = ref_weights
     exact = position_errors(got, forward(w, cfg, ids))
     assert np.median(exact) > 1e-6  # the quantization is there

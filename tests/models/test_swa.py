@@ -10,6 +10,7 @@ from model_harness import Harness, assert_close_with_routing_flips, position_err
 from numpy_model_ref import forward, load_np, rms, rope_angles, rotate_pairs
 from numpy_refs import dequant_records
 
+from fastdeploy.config import KernelConfig
 from fastdeploy.model_executor.layers.rotary_embedding import deepseek_softmax_scale
 from fastdeploy.tools.make_tiny_model import make_tiny_model
 
@@ -197,15 +198,12 @@ def test_prefix_hit_equals_alone(swa_dense_dir, prefix, rng):
     assert position_errors(got, alone[prefix:]).max() < INVARIANCE_TOL
 
 
-def test_gpu_kernel_path_matches_reference_path(swa_dense_dir, rng, monkeypatch):
+def test_gpu_kernel_path_matches_reference_path(swa_dense_dir, rng):
     """The path a CUDA paddle takes (Triton FP8 writer, Triton indexer, Triton sparse attention
     with bf16 q), run through the interpreter, against the CPU reference path."""
-    from fastdeploy.model_executor.layers.attention import sparse_mla
-
     ids = tokens(rng, 2 * 32 + 16 + 3)
     want = Harness(swa_dense_dir, seed=7).prefill("a", ids, chunk=40)
-    monkeypatch.setenv("FD_TRITON_ON_CPU", "1")
-    monkeypatch.setattr(sparse_mla, "_chosen", "triton")
-    got = Harness(swa_dense_dir, seed=8).prefill("a", ids, chunk=40)
+    gpu_path = KernelConfig(triton=True, sparse_mla_provider="triton")
+    got = Harness(swa_dense_dir, seed=8, kernels=gpu_path).prefill("a", ids, chunk=40)
     err = position_errors(got, want)
     assert np.isfinite(got).all() and err.max() < 3e-2  # bf16 q and output here (~1e-2); a window error > 1e-1

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fastdeploy.config import ModelConfig
+from fastdeploy.model_executor import tiny_checkpoint as tck
 from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, SafeTensorsFile, save_file
 from fastdeploy.tools import make_tiny_model as mtm
 
@@ -76,15 +77,15 @@ def test_tokenizer_and_chat_template(tiny_model_dir):
         bos_token=tc["bos_token"],
         eos_token=tc["eos_token"],
     )
-    assert out == tc["bos_token"] + "S" + mtm.USER + "hi" + mtm.ASSISTANT + "yo" + tc["eos_token"] + mtm.ASSISTANT
+    assert out == tc["bos_token"] + "S" + tck.USER + "hi" + tck.ASSISTANT + "yo" + tc["eos_token"] + tck.ASSISTANT
 
 
 def test_preset_builds_once(tmp_path, monkeypatch):
     monkeypatch.setenv("FD_CACHE_DIR", str(tmp_path))
-    assert mtm.resolve_model("/some/dir") == "/some/dir"
-    p = mtm.resolve_model(mtm.TINY_PRESET)
+    assert tck.resolve_model("/some/dir") == "/some/dir"
+    p = tck.resolve_model(tck.TINY_PRESET)
     mtime = os.path.getmtime(os.path.join(p, "model.safetensors"))
-    assert mtm.resolve_model(mtm.TINY_PRESET) == p
+    assert tck.resolve_model(tck.TINY_PRESET) == p
     assert os.path.getmtime(os.path.join(p, "model.safetensors")) == mtime
     assert ModelConfig.from_pretrained(p).swa_layer_ids == [0, 2]
 

@@ -22,12 +22,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from fastdeploy.engine.args import EngineArgs, add_dataclass_args, setting
 from fastdeploy.engine.async_engine import AsyncLLMEngine
-from fastdeploy.engine.engine import EngineArgs, LLMEngine
+from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.metrics import EngineMetrics
-from fastdeploy.engine.request import RequestOutput
-from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from fastdeploy.request import RequestOutput
+from fastdeploy.sampling_params import SamplingParams
 
 logger = logging.getLogger("fastdeploy")
 
@@ -326,47 +327,27 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     return app
 
 
+@dataclass
+class ServerArgs:
+    """The HTTP server's own settings; the engine's are EngineArgs."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    served_model_name: str | None = setting(None, "model name in the API; None: the --model value")
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY'; None: FD_API_KEY if set, else open")
+    log_level: str = setting("info", "logging level", ("debug", "info", "warning", "error", "critical"))
+
+
 def make_parser() -> argparse.ArgumentParser:
+    """Flags generated from ServerArgs and EngineArgs, each shown with its default in --help."""
     ap = argparse.ArgumentParser(
         prog="python -m fastdeploy.entrypoints.openai.api_server",
         description="OpenAI-compatible server for DeepSeek-V3 MLA / SWA checkpoints",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    a = ap.add_argument
-    a("--model", default="tiny-mla-swa", help="checkpoint directory, or the preset tiny-mla-swa")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8000)
-    a("--served-model-name", default=None)
-    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    a("--max-model-len", type=int, default=None)
-    a("--max-num-seqs", type=int, default=64)
-    a("--max-num-batched-tokens", type=int, default=2048)
-    a("--block-size", type=int, default=64)
-    a("--num-gpu-blocks-override", type=int, default=None)
-    a("--gpu-memory-utilization", type=float, default=0.9)
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False)
-    a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    a("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"])
-    a("--tensor-parallel-size", type=int, default=1)
-    a("--api-key", default=os.environ.get("FD_API_KEY"))
-    a("--log-level", default="info")
+    add_dataclass_args(ap.add_argument_group("server"), ServerArgs)
+    add_dataclass_args(ap.add_argument_group("engine"), EngineArgs)
     return ap
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=ns.model,
-        dtype=ns.dtype,
-        max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        block_size=ns.block_size,
-        num_gpu_blocks_override=ns.num_gpu_blocks_override,
-        gpu_memory_utilization=ns.gpu_memory_utilization,
-        enable_prefix_caching=ns.enable_prefix_caching,
-        enable_chunked_prefill=ns.enable_chunked_prefill,
-        kv_cache_dtype=ns.kv_cache_dtype,
-        tensor_parallel_size=ns.tensor_parallel_size,
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -375,14 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = make_parser()
     ns = ap.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if ns.tensor_parallel_size != 1:
-        ap.error(f"--tensor-parallel-size {ns.tensor_parallel_size}: only 1 is supported for now")
     try:
-        engine = LLMEngine(engine_args_from(ns))
+        engine = LLMEngine(EngineArgs.from_cli_args(ns))
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
     name = ns.served_model_name or ns.model
-    app = build_app(AsyncLLMEngine(engine), name, ns.api_key)
+    app = build_app(AsyncLLMEngine(engine), name, ns.api_key or os.environ.get("FD_API_KEY"))
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower())
 

@@ -1,9 +1,10 @@
 """DeepSeek-V3 (MLA attention, MoE) on paddle, with sliding-window (SWA) MLA layers.
 
-A layer is SWA when ``config.is_swa_layer(layer_id)`` (``window_attn_skip_freq[layer_id] == 1``);
-the choice is made once, at construction. Full layers go through MLAAttentionBackend (latent
-cache in the model dtype, bf16 or FP8 records); SWA layers through ``forward_swa_static``: FP8
-record cache, window indices from ``get_swa_indexer_top_k``, DSAAttentionBackend.
+The model does the projections and the layer wiring; each attention layer hands its absorbed
+query and its new latent to one backend, chosen once at construction: a layer is SWA when
+``config.is_swa_layer(layer_id)`` (``window_attn_skip_freq[layer_id] == 1``) and then gets a
+DSAAttentionBackend (FP8 record cache, the step's window indices, sparse MLA); full layers get
+an MLAAttentionBackend (latent cache in the model dtype, bf16 or FP8 records).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import paddle
 from paddle import nn
 
-from fastdeploy.config import ModelConfig
+from fastdeploy.config import KernelConfig, ModelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.dsa_attention_backend import DSAAttentionBackend
 from fastdeploy.model_executor.layers.attention.mla_attention_backend import MLAAttentionBackend
@@ -20,27 +21,10 @@ from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, Replic
 from fastdeploy.model_executor.layers.moe import MLP, DeepseekV3MoE
 from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.rotary_embedding import DeepseekRotaryEmbedding, deepseek_softmax_scale
-from fastdeploy.model_executor.ops.triton_ops.launcher import kernels_enabled
-from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import write_mla_fp8_cache, write_mla_fp8_cache_ref
-from fastdeploy.model_executor.ops.triton_ops.swa_indexer import swa_indexer_ref, swa_indexer_triton
-
-
-def get_swa_indexer_top_k(
-    positions: paddle.Tensor,
-    batch_id_per_token: paddle.Tensor,
-    block_tables: paddle.Tensor,
-    block_size: int,
-    sliding_window: int,
-    topk: int,
-) -> paddle.Tensor:
-    """int32 [T, topk]: each token's window slots in ascending position order, then -1
-    (DESIGN.md §4). The Triton kernel where kernels run, else the paddle reference."""
-    impl = swa_indexer_triton if kernels_enabled() else swa_indexer_ref
-    return impl(positions, batch_id_per_token, block_tables, block_size, sliding_window, topk)
 
 
 class DeepseekV3MLAAttention(nn.Layer):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = cfg.num_attention_heads
@@ -68,11 +52,10 @@ class DeepseekV3MLAAttention(nn.Layer):
         theta = cfg.swa_rope_theta if self.is_swa and cfg.swa_rope_theta else cfg.rope_theta
         self.rotary_emb = DeepseekRotaryEmbedding(self.rope, theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.softmax_scale = deepseek_softmax_scale(qk, cfg.rope_scaling)
-        self.sliding_window = cfg.sliding_window if self.is_swa else None
         if self.is_swa:
-            self.dsa_backend = DSAAttentionBackend(self.softmax_scale)
+            self.attn_backend = DSAAttentionBackend(self.softmax_scale, cfg.sliding_window, kernels)
         else:
-            self.mla_backend = MLAAttentionBackend(self.softmax_scale)
+            self.attn_backend = MLAAttentionBackend(self.softmax_scale, kernels)
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj into W_UK [H, nope, 512] and W_UV [H, v, 512], float32, once: the loader
@@ -97,35 +80,31 @@ class DeepseekV3MLAAttention(nn.Layer):
         # absorbed query: q_nope through W_UK (per head), then the rotated rope part
         q_lat = paddle.einsum("thn,hnc->thc", q[:, :, : self.nope].astype("float32"), self.w_uk)
         q_abs = paddle.concat([q_lat, q_pe.astype("float32")], axis=-1)
-        if self.is_swa:
-            latent = self.forward_swa_static(q_abs, kv_c, k_pe, cache, meta)
-        else:
-            latent = self.mla_backend.forward(q_abs, kv_c, k_pe, cache, meta)
+        latent = self.attn_backend.forward(q_abs, kv_c, k_pe, cache, meta)
         out = paddle.einsum("thc,hvc->thv", latent.astype("float32"), self.w_uv)
         return self.o_proj(out.reshape([T, self.num_heads * self.v_dim]).astype(hidden.dtype))
 
     def forward_swa_static(
         self, q_abs: paddle.Tensor, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta
     ) -> paddle.Tensor:
-        """SWA attention: FP8 cache write, window indices, sparse MLA. -> latent float32 [T, H, 512]."""
-        writer = write_mla_fp8_cache if kernels_enabled() else write_mla_fp8_cache_ref
-        writer(kv_c, k_pe, meta.slot_mapping, cache)
-        W = self.sliding_window
-        key = ("swa_indices", W)
-        if key not in meta.cache:  # the same for every SWA layer of the step
-            meta.cache[key] = get_swa_indexer_top_k(
-                meta.positions, meta.batch_id_per_token, meta.block_tables, meta.block_size, W, W
-            )
-        q = q_abs.astype(self.dsa_backend.q_dtype(kv_c.dtype))
-        return self.dsa_backend.forward_static(q, cache, meta.cache[key], meta)
+        """SWA attention under FastDeploy's name: the layer's DSAAttentionBackend does all of it
+        (FP8 cache write, the step's window indices, sparse MLA). -> latent float32 [T, H, 512]."""
+        if not self.is_swa:
+            raise ValueError(f"layer {self.layer_id} is a full-attention layer, not an SWA layer")
+        return self.attn_backend.forward(q_abs, kv_c, k_pe, cache, meta)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of an SWA layer's backend; None for a full layer."""
+        return self.attn_backend.sliding_window if self.is_swa else None
 
 
 class DeepseekV3DecoderLayer(nn.Layer):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = DeepseekV3MLAAttention(cfg, layer_id, dtype)
+        self.self_attn = DeepseekV3MLAAttention(cfg, layer_id, dtype, kernels)
         moe = cfg.n_routed_experts and layer_id >= cfg.first_k_dense_replace and layer_id % cfg.moe_layer_freq == 0
         self.mlp = DeepseekV3MoE(cfg, dtype) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
@@ -135,10 +114,12 @@ class DeepseekV3DecoderLayer(nn.Layer):
 
 
 class DeepseekV3Model(nn.Layer):
-    def __init__(self, cfg: ModelConfig, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.LayerList([DeepseekV3DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.LayerList(
+            [DeepseekV3DecoderLayer(cfg, i, dtype, kernels) for i in range(cfg.num_hidden_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, meta: ForwardMeta, caches: list[paddle.Tensor]) -> paddle.Tensor:
@@ -149,14 +130,19 @@ class DeepseekV3Model(nn.Layer):
 
 
 class DeepseekV3ForCausalLM(nn.Layer):
-    """Hidden states for every token; ``compute_logits`` for the tokens that sample."""
+    """Hidden states for every token; ``compute_logits`` for the tokens that sample. ``kernels``
+    (chosen once at start-up) says which implementations the attention backends run."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str = "float32") -> None:
+    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.dtype_name = dtype
-        self.model = DeepseekV3Model(cfg, dtype)
+        self.model = DeepseekV3Model(cfg, dtype, kernels)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+
+    @property
+    def sliding_windows(self) -> list[int]:
+        """The distinct windows of the SWA layers (the step builder makes indices for each)."""
+        return sorted({w for layer in self.model.layers if (w := layer.self_attn.sliding_window) is not None})
 
     def forward(self, meta: ForwardMeta, caches: list[paddle.Tensor]) -> paddle.Tensor:
         with paddle.no_grad():

@@ -1,7 +1,7 @@
 """MLAAttentionBackend: full (causal) MLA attention over a paged latent cache.
 
 Cache per layer: [num_blocks, block_size, 1, 576] in the model dtype or bf16 (512 latent, then
-64 rope), or the 656-byte FP8 record (uint8 [..., 656]) when kv_cache_quant_type is "fp8".
+64 rope), or the 656-byte FP8 record (uint8 [..., 656]) when kv_cache_dtype is "fp8".
 Inputs are absorbed: q [T, H, 576] (q_nope through W_UK, then q_pe); the output is the latent
 [T, H, 512], which the model maps through W_UV.
 """
@@ -10,53 +10,55 @@ from __future__ import annotations
 
 import paddle
 
+from fastdeploy.config import KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import (
     RECORD_BYTES,
+    dequant_mla_fp8_cache,
     dequant_mla_fp8_cache_ref,
+    write_mla_fp8_cache,
     write_mla_fp8_cache_ref,
 )
-
-
-def write_latent_cache(kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> None:
-    """Store each token's [kv_c | k_pe] at its slot (slot -1 skips), in the cache's format."""
-    if cache.dtype == paddle.uint8:
-        write_mla_fp8_cache_ref(kv_c, k_pe, meta.slot_mapping, cache)
-        return
-    keep = paddle.nonzero(meta.slot_mapping >= 0).flatten()
-    rows = paddle.concat([kv_c, k_pe], axis=-1)[keep].astype(cache.dtype)
-    cache.reshape([-1, cache.shape[-1]])[meta.slot_mapping.astype("int64")[keep]] = rows
-
-
-def read_latent_cache(cache: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
-    """float32 [n, 576] entries at slots int64 [n]."""
-    flat = cache.reshape([-1, cache.shape[-1]])[slots]
-    if cache.dtype == paddle.uint8:
-        return dequant_mla_fp8_cache_ref(flat.reshape([-1, RECORD_BYTES])).astype("float32")
-    return flat.astype("float32")
 
 
 class MLAAttentionBackend:
     """Causal attention of each request's tokens over its cached context, from ForwardMeta."""
 
-    def __init__(self, softmax_scale: float) -> None:
+    def __init__(self, softmax_scale: float, kernels: KernelConfig) -> None:
         self.softmax_scale = softmax_scale
+        self.write_records = write_mla_fp8_cache if kernels.triton else write_mla_fp8_cache_ref
+        self.dequant_records = dequant_mla_fp8_cache if kernels.triton else dequant_mla_fp8_cache_ref
+
+    def write_cache(self, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> None:
+        """Store each token's [kv_c | k_pe] at its slot (slot -1 skips), in the cache's format."""
+        if cache.dtype == paddle.uint8:
+            self.write_records(kv_c, k_pe, meta.slot_mapping, cache)
+            return
+        keep = paddle.nonzero(meta.slot_mapping >= 0).flatten()
+        rows = paddle.concat([kv_c, k_pe], axis=-1)[keep].astype(cache.dtype)
+        cache.reshape([-1, cache.shape[-1]])[meta.slot_mapping.astype("int64")[keep]] = rows
+
+    def read_cache(self, cache: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
+        """float32 [n, 576] entries at slots int64 [n]."""
+        flat = cache.reshape([-1, cache.shape[-1]])[slots]
+        if cache.dtype == paddle.uint8:
+            return self.dequant_records(flat.reshape([-1, RECORD_BYTES])).astype("float32")
+        return flat.astype("float32")
 
     def forward(
         self, q: paddle.Tensor, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta
     ) -> paddle.Tensor:
         """q [T, H, 576], kv_c [T, 512], k_pe [T, 64] -> latent output float32 [T, H, 512]."""
-        write_latent_cache(kv_c, k_pe, cache, meta)
+        self.write_cache(kv_c, k_pe, cache, meta)
         T, H = q.shape[0], q.shape[1]
         out = paddle.zeros([T, H, 512], "float32")
-        h = meta.host
         bs = meta.block_size
         for b in range(meta.num_requests):  # one batched attention per request
-            n = int(h["seq_lens_this_time"][b])
-            start, ctx = int(h["cu_seqlens_q"][b]), int(h["seq_lens_decoder"][b]) + n
+            n = int(meta.seq_lens_this_time[b])
+            start, ctx = int(meta.cu_seqlens_q[b]), int(meta.seq_lens_decoder[b]) + n
             pos = paddle.arange(ctx, dtype="int64")
             slots = meta.block_tables[b].astype("int64")[pos // bs] * bs + pos % bs
-            kv = read_latent_cache(cache, slots)  # [ctx, 576]
+            kv = self.read_cache(cache, slots)  # [ctx, 576]
             qb = q[start : start + n].astype("float32")  # [n, H, 576]
             logits = paddle.matmul(qb.reshape([n * H, 576]), kv, transpose_y=True).reshape([n, H, ctx])
             qpos = paddle.arange(ctx - n, ctx, dtype="int64").reshape([n, 1, 1])

@@ -88,11 +88,3 @@ def can_run_triton() -> bool:
         return bool(paddle.is_compiled_with_cuda()) and paddle.device.cuda.device_count() > 0
     except Exception:  # pragma: no cover - paddle always imports where the package is installed
         return False
-
-
-def kernels_enabled() -> bool:
-    """Whether model code should call Triton kernels rather than the paddle references: on a
-    CUDA build of paddle, or in the interpreter when FD_TRITON_ON_CPU=1 (slow; for tests)."""
-    if interpret_mode():
-        return os.environ.get("FD_TRITON_ON_CPU", "0") == "1"
-    return can_run_triton()

@@ -1,4 +1,4 @@
-"""SWA window indexer (DESIGN.md §4): for each token, the cache slots of its window.
+"""SWA window indexer (docs/design.md §4.3): for each token, the cache slots of its window.
 
 Token t of request b at position p gets n = min(W, p + 1) entries, slot(b, q) for
 q = p - n + 1 .. p ascending, then -1 up to topk; a padding token (b < 0 or p < 0) gets all -1.
@@ -69,3 +69,19 @@ def swa_indexer_ref(
     blk = block_tables.astype("int64")[row, col]
     slot = blk * block_size + q % block_size
     return paddle.where(valid & (blk >= 0), slot, paddle.full_like(slot, -1)).astype("int32")
+
+
+def get_swa_indexer_top_k(
+    positions: paddle.Tensor,
+    batch_id_per_token: paddle.Tensor,
+    block_tables: paddle.Tensor,
+    block_size: int,
+    sliding_window: int,
+    topk: int,
+    *,
+    triton: bool = False,
+) -> paddle.Tensor:
+    """int32 [T, topk]: each token's window slots in ascending position order, then -1
+    (docs/design.md §4.3). The Triton kernel when ``triton``, else the paddle reference."""
+    impl = swa_indexer_triton if triton else swa_indexer_ref
+    return impl(positions, batch_id_per_token, block_tables, block_size, sliding_window, topk)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastdeploy.engine.sampling_params import SamplingParams
 from fastdeploy.model_executor.layers.sampler import SamplingState
+from fastdeploy.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -51,7 +51,7 @@ class Request:
     output_text: str = ""
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0

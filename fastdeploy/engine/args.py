@@ -1,0 +1,115 @@
+"""EngineArgs: the one list of the engine's settings.
+
+The server's flags are generated from its fields (``--max-num-seqs`` is ``max_num_seqs``, with
+the field's help text and default), the offline ``LLM(**kwargs)`` takes the same names, and
+``create_config`` builds every config by keyword. ``add_dataclass_args`` does the same for any
+settings dataclass (the server's own, in ``api_server``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastdeploy.config import KV_CACHE_DTYPES, CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from fastdeploy.model_executor.kernel_select import KERNEL_BACKENDS, select_kernels
+from fastdeploy.model_executor.tiny_checkpoint import TINY_PRESET, resolve_model
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def setting(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A settings field: its default, the help text of its flag and, optionally, its choices."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EngineArgs:
+    model: str = setting(TINY_PRESET, f"checkpoint directory, or the preset {TINY_PRESET} (built on first use)")
+    dtype: str = setting("auto", "model dtype; auto: bfloat16 on GPU, float32 on CPU", DTYPES)
+    max_model_len: int | None = setting(None, "longest prompt + output in tokens; None: max_position_embeddings")
+    max_num_seqs: int = setting(64, "most requests in one step")
+    max_num_batched_tokens: int = setting(2048, "most tokens in one step (the token budget)")
+    block_size: int = setting(64, "tokens per KV cache block (a power of two)")
+    num_gpu_blocks_override: int | None = setting(None, "KV cache blocks; None: sized from memory")
+    gpu_memory_utilization: float = setting(0.9, "share of GPU memory the engine may use, KV cache included")
+    enable_prefix_caching: bool = setting(False, "reuse the KV blocks of earlier requests' identical prefixes")
+    enable_chunked_prefill: bool = setting(True, "split long prompts over steps under the token budget")
+    kv_cache_dtype: str = setting(
+        "auto", "full-attention layers' KV cache (SWA layers always use the FP8 record)", KV_CACHE_DTYPES
+    )
+    tensor_parallel_size: int = setting(1, "GPUs the model is split over (1 only for now)")
+    kernel_backend: str = setting(
+        "auto",
+        "window indexer and FP8 cache kernels; auto: Triton on a CUDA paddle, paddle references on CPU; "
+        "triton on CPU needs TRITON_INTERPRET=1",
+        KERNEL_BACKENDS,
+    )
+    sparse_mla_provider: str = setting(
+        "auto",
+        "SWA layers' sparse MLA attention; auto: flashmla where it imports on GPU, else triton when Triton "
+        "kernels run, else reference",
+        ("auto", "flashmla", "triton", "reference"),
+    )
+
+    def create_config(self) -> FDConfig:
+        """Every config, built by keyword; a ValueError names the bad setting."""
+        return FDConfig(
+            model_config=ModelConfig.from_pretrained(resolve_model(self.model)),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_dtype=self.kv_cache_dtype,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                max_model_len=self.max_model_len,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            kernel_config=select_kernels(self.kernel_backend, self.sparse_mla_provider),
+        )
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _flag_type(hint: Any) -> type:
+    """int for ``int | None`` and the like; the one non-None type of the hint."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    return hint
+
+
+def _none_or(kind: type):
+    def parse(text: str):
+        return None if text == "None" else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> argparse.ArgumentParser:
+    """One ``--flag-name`` per field of the settings dataclass ``cls``: its type, default, help and
+    choices; bools get ``--x`` / ``--no-x``. Use with ArgumentDefaultsHelpFormatter to show defaults."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = _flag_type(hints[f.name])
+        optional = kind is not hints[f.name]
+        kw: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "")}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _none_or(kind) if optional else kind
+            if f.metadata.get("choices"):
+                kw["choices"] = f.metadata["choices"]
+        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+    return parser

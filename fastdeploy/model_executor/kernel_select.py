@@ -1,0 +1,64 @@
+"""The one implementation switch: which kernels run, decided once at start-up and logged.
+
+``select_kernels`` turns the two settings (``--kernel-backend``, ``--sparse-mla-provider``) into
+a ``KernelConfig`` that the runner hands to the model and the step builder. Nothing below it
+reads the environment or keeps a module-global choice.
+
+- kernel_backend ``auto``: Triton kernels on a CUDA build of paddle, paddle references on CPU;
+  ``triton``: Triton kernels (on CPU only in Triton's interpreter, ``TRITON_INTERPRET=1``; slow,
+  for tests); ``reference``: paddle references.
+- sparse_mla_provider ``auto``: ``flashmla`` on a GPU where ``flash_mla`` imports, else ``triton``
+  when Triton kernels run, else ``reference``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastdeploy.config import SPARSE_MLA_PROVIDERS, KernelConfig
+from fastdeploy.model_executor.ops.triton_ops.launcher import can_run_triton, interpret_mode
+
+logger = logging.getLogger("fastdeploy")
+
+KERNEL_BACKENDS = ("auto", "triton", "reference")
+
+
+def flashmla_importable() -> bool:
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_provider(name: str) -> None:
+    if name not in SPARSE_MLA_PROVIDERS:
+        raise ValueError(
+            f"sparse_mla_provider: unknown provider {name!r}; choose one of {SPARSE_MLA_PROVIDERS} or 'auto'"
+        )
+    if name == "flashmla" and not flashmla_importable():
+        raise ValueError("sparse_mla_provider: 'flashmla' asked for, but the flash_mla package does not import")
+    if name == "triton" and not can_run_triton():
+        raise ValueError("sparse_mla_provider: 'triton' needs a CUDA build of paddle or TRITON_INTERPRET=1")
+
+
+def select_kernels(kernel_backend: str = "auto", sparse_mla_provider: str = "auto") -> KernelConfig:
+    """Resolve the settings into a KernelConfig and log it; a ValueError names a bad setting."""
+    gpu = can_run_triton() and not interpret_mode()
+    if kernel_backend not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel_backend: unknown backend {kernel_backend!r}; choose one of {KERNEL_BACKENDS}")
+    if kernel_backend == "triton" and not can_run_triton():
+        raise ValueError("kernel_backend: 'triton' needs a CUDA build of paddle or TRITON_INTERPRET=1")
+    triton = gpu if kernel_backend == "auto" else kernel_backend == "triton"
+    if sparse_mla_provider == "auto":
+        provider = "flashmla" if gpu and flashmla_importable() else "triton" if triton else "reference"
+    else:
+        _check_provider(sparse_mla_provider)
+        provider = sparse_mla_provider
+    kernels = KernelConfig(triton=triton, sparse_mla_provider=provider)
+    logger.info(
+        "kernels: %s for the window indexer and the FP8 cache; sparse MLA attention provider: %s",
+        "Triton" + (" (interpreter)" if triton and interpret_mode() else "") if triton else "paddle references",
+        provider,
+    )
+    return kernels

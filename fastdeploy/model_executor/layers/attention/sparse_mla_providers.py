@@ -1,0 +1,156 @@
+"""``sparse_mla_attention``: one interface, three providers (docs/design.md §4.5).
+
+- ``flashmla``: FlashMLA's sparse kernels (sm_90), when ``flash_mla`` imports and paddle has
+  CUDA. Decode: ``flash_mla_with_kvcache`` on the FP8 cache with ``indices`` (the whole batch as
+  one request, b = 1, s_q = T). Prefill: ``flash_mla_sparse_fwd`` over a bf16 gather of the
+  slots the indices name. Heads are zero-padded to 64 or 128 and sliced back; index rows are
+  padded with -1 to FlashMLA's topk multiple (64 decode, 128 prefill).
+- ``triton``: the project's kernel (``ops/triton_ops/sparse_mla.py`` and ``sparse_mla_kernel.py``).
+- ``reference``: paddle ops over the de-quantized cache (``ops/triton_ops/sparse_mla.py``).
+
+The provider is chosen once at start-up (``kernel_select.select_kernels``) and passed in by name.
+"""
+
+from __future__ import annotations
+
+import paddle
+
+from fastdeploy.config import SPARSE_MLA_PROVIDERS
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import RECORD_BYTES, dequant_mla_fp8_cache
+from fastdeploy.model_executor.ops.triton_ops.sparse_mla import sparse_mla_reference, sparse_mla_triton
+
+
+def topk_multiple(provider: str, is_prefill: bool) -> int:
+    """Index rows must be a multiple of this for ``provider`` (FlashMLA: 64 decode, 128 prefill)."""
+    if provider == "flashmla":
+        return 128 if is_prefill else 64
+    return 1
+
+
+def step_topk_multiple(provider: str) -> int:
+    """One multiple that suits both of the provider's kernels, so a step's indices are padded once."""
+    return max(topk_multiple(provider, False), topk_multiple(provider, True))
+
+
+def _check(q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor) -> None:
+    if q.ndim != 3 or q.shape[-1] != 576:
+        raise ValueError(f"sparse_mla_attention: q must be [T, H, 576], got {list(q.shape)}")
+    if kv_cache.dtype != paddle.uint8 or kv_cache.shape[-1] != RECORD_BYTES:
+        raise ValueError(
+            f"sparse_mla_attention: kv_cache must be uint8 [..., 656], got {kv_cache.dtype} {kv_cache.shape}"
+        )
+    if indices.ndim != 2 or indices.shape[0] != q.shape[0]:
+        raise ValueError(f"sparse_mla_attention: indices must be [T={q.shape[0]}, topk], got {list(indices.shape)}")
+
+
+def sparse_mla_attention(
+    q: paddle.Tensor,
+    kv_cache: paddle.Tensor,
+    indices: paddle.Tensor,
+    softmax_scale: float,
+    provider: str,
+    is_prefill: bool = False,
+    schedule: object | None = None,
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """q bf16 [T, H, 576], kv_cache uint8 [num_blocks, block_size, 1, 656], indices int32
+    [T, topk] (-1 = none) -> (out bf16 [T, H, 512], lse float32 [T, H], natural log).
+
+    A float32 q (the CPU model) is accepted too and gives a float32 out: no bf16 rounding on a
+    path that does not need it. FlashMLA always computes in bf16.
+
+    ``is_prefill`` picks FlashMLA's prefill kernel and ``schedule`` is its decode schedule for
+    the step (the step builder makes it once; None makes one here); the other providers ignore both."""
+    _check(q, kv_cache, indices)
+    if provider not in SPARSE_MLA_PROVIDERS:
+        raise ValueError(f"sparse_mla_attention: unknown provider {provider!r}; one of {SPARSE_MLA_PROVIDERS}")
+    if provider == "flashmla":
+        return _flashmla(q, kv_cache, indices, softmax_scale, is_prefill, schedule)
+    if provider == "triton":
+        return sparse_mla_triton(q, kv_cache, indices, softmax_scale)
+    return sparse_mla_reference(q, kv_cache, indices, softmax_scale)
+
+
+# ---------------------------------------------------------------- FlashMLA
+
+
+def _pad_heads(h: int) -> int:
+    if h > 128:
+        raise ValueError(f"FlashMLA sparse kernels take at most 128 heads per call, got {h}")
+    return 64 if h <= 64 else 128
+
+
+def _pad_last(x: paddle.Tensor, multiple: int, value: int) -> paddle.Tensor:
+    k = x.shape[-1]
+    extra = -k % multiple
+    if extra == 0:
+        return x
+    return paddle.concat([x, paddle.full(list(x.shape[:-1]) + [extra], value, dtype=x.dtype)], axis=-1)
+
+
+def _torch(x: paddle.Tensor):
+    import torch
+
+    return torch.from_dlpack(x.contiguous())
+
+
+def _paddle(x) -> paddle.Tensor:
+    return paddle.from_dlpack(x.contiguous())
+
+
+def flashmla_schedule() -> object:
+    """FlashMLA's decode schedule object for one step (``get_mla_metadata``)."""
+    import flash_mla
+
+    return flash_mla.get_mla_metadata()
+
+
+def _flashmla(
+    q: paddle.Tensor,
+    kv_cache: paddle.Tensor,
+    indices: paddle.Tensor,
+    softmax_scale: float,
+    is_prefill: bool,
+    schedule: object | None,
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """FlashMLA is a torch extension: paddle tensors cross as zero-copy dlpack views."""
+    import flash_mla
+
+    T, H = q.shape[0], q.shape[1]
+    out_dtype, q = q.dtype, q.astype("bfloat16")
+    hp = _pad_heads(H)
+    qp = paddle.concat([q, paddle.zeros([T, hp - H, 576], dtype=q.dtype)], axis=1) if hp != H else q
+    idx = indices.astype("int32")
+    idx = paddle.where(idx >= 0, idx, paddle.full_like(idx, -1))  # -1 is the only safe invalid index
+    idx = _pad_last(idx, topk_multiple("flashmla", is_prefill), -1)
+    if is_prefill:
+        # gather the named slots once, de-quantize to bf16, and renumber the indices into the gather
+        flat = idx.flatten()
+        valid = flat >= 0
+        uniq, inverse = paddle.unique(paddle.where(valid, flat, paddle.zeros_like(flat)), return_inverse=True)
+        kv = dequant_mla_fp8_cache(kv_cache.reshape([-1, RECORD_BYTES])[uniq]).reshape([-1, 1, 576])
+        local = paddle.where(valid, inverse.astype("int32"), paddle.full_like(flat, -1)).reshape(idx.shape)
+        out, _max_logits, lse = flash_mla.flash_mla_sparse_fwd(
+            _torch(qp), _torch(kv), _torch(local.unsqueeze(1)), softmax_scale, d_v=512
+        )
+        out, lse = _paddle(out), _paddle(lse)  # [T, hp, 512], [T, hp]
+    else:
+        sched = flashmla_schedule() if schedule is None else schedule
+        extra = {}
+        if isinstance(sched, tuple):  # releases that return (metadata, num_splits)
+            sched, extra["num_splits"] = sched
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            _torch(qp.unsqueeze(0)),
+            _torch(kv_cache),
+            None,
+            None,
+            head_dim_v=512,
+            tile_scheduler_metadata=sched,
+            softmax_scale=softmax_scale,
+            causal=False,
+            is_fp8_kvcache=True,
+            indices=_torch(idx.unsqueeze(0)),
+            **extra,
+        )
+        out = _paddle(out)[0]  # [T, hp, 512]
+        lse = _paddle(lse)[0].transpose([1, 0])  # [hp, T] -> [T, hp]
+    return out[:, :H].astype(out_dtype), lse[:, :H].astype("float32")
