@@ -1,5 +1,5 @@
 """Accuracy of the paddle model (CPU, float32) against the independent float64 numpy model of
-tests/numpy_model_ref.py on tiny checkpoints, as README's Accuracy section reports it.
+fastdeploy/model_executor/models/deepseek_v3_reference.py on tiny checkpoints, as README's Accuracy section reports it.
 
     python benchmarks/accuracy.py [--json OUT]
 
@@ -20,13 +20,29 @@ import tempfile
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from model_harness import Harness, position_errors  # noqa: E402
-from numpy_model_ref import forward, load_np  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fastdeploy import LLM, SamplingParams  # noqa: E402
-from fastdeploy.tools.make_tiny_model import make_tiny_model  # noqa: E402
+from fastdeploy.config import CacheConfig, FDConfig, ModelConfig  # noqa: E402
+from fastdeploy.model_executor.models.deepseek_v3_reference import forward, load_np  # noqa: E402
+from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model  # noqa: E402
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
+
+BLOCK = 16
+
+
+def prompt_logits(d: str, ids: list[int]) -> np.ndarray:
+    """float64 logits [len(ids), vocab] of one prefill through the paddle model (CPU reference path)."""
+    n_blocks = -(-len(ids) // BLOCK)
+    fd = FDConfig(ModelConfig.from_pretrained(d), CacheConfig(block_size=BLOCK, num_gpu_blocks_override=n_blocks))
+    runner = GPUModelRunner(fd, "float32")
+    meta = runner.meta_builder.build(ids, [len(ids)], [0], [list(range(n_blocks))])
+    return runner.model.compute_logits(runner.model(meta, runner.caches)).numpy().astype(np.float64)
+
+
+def position_errors(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Relative error of each position's logits."""
+    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
 
 
 def stats(e: np.ndarray) -> dict:
@@ -40,7 +56,7 @@ def run(name: str, d: str, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     ids = [int(x) for x in rng.integers(4, 500, 3 * W + 5)]
     w = load_np(d)
-    got = Harness(d).prefill("a", ids)
+    got = prompt_logits(d, ids)
     res = {
         "checkpoint": name,
         "swa_layers": [i for i, x in enumerate(windows) if x],

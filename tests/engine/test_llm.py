@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from fastdeploy import LLM, SamplingParams
-from fastdeploy.config import FDConfig, ModelConfig
+from fastdeploy.config import FDConfig, KernelConfig, ModelConfig
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.worker.gpu_model_runner import bytes_per_block, cache_spec, num_blocks_for
 
@@ -159,3 +159,15 @@ def test_engine_args_defaults():
     a = EngineArgs()
     assert a.model == "tiny-mla-swa" and a.block_size == 64 and a.enable_chunked_prefill
     assert np.isclose(a.gpu_memory_utilization, 0.9)
+
+
+def test_kernel_choice_made_once_at_start_and_logged(tiny_model_dir, caplog):
+    kw = dict(block_size=16, num_gpu_blocks_override=32, max_model_len=256)
+    with caplog.at_level("INFO", logger="fastdeploy"):
+        llm = LLM(model=tiny_model_dir, kernel_backend="reference", sparse_mla_provider="reference", **kw)
+        out = llm.generate(["Hi", "Hello there"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+    assert sum("sparse MLA attention provider: reference" in r.getMessage() for r in caplog.records) == 1
+    assert llm.engine.config.kernel_config == KernelConfig(triton=False, sparse_mla_provider="reference")
+    with pytest.raises(ValueError, match="kernel_backend: unknown backend 'cuda'"):
+        LLM(model=tiny_model_dir, kernel_backend="cuda", **kw)

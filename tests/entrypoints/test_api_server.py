@@ -1,5 +1,6 @@
 """The OpenAI server over real HTTP (uvicorn on a free localhost port) with the openai client."""
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -284,3 +285,24 @@ def test_cli_serves_and_rejects_bad_flags(tmp_path):
     ns = api_server.make_parser().parse_args(["--kv-cache-dtype", "fp8", "--enable-prefix-caching"])
     a = EngineArgs.from_cli_args(ns)
     assert a.kv_cache_dtype == "fp8" and a.enable_prefix_caching and a.block_size == 64
+
+
+def test_help_shows_every_flag_with_its_default():
+    env = {**os.environ, "COLUMNS": "400"}  # no wrapping inside a default
+    cmd = [sys.executable, "-m", "fastdeploy.entrypoints.openai.api_server", "--help"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    flags = 0
+    for cls in (api_server.ServerArgs, EngineArgs):
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            start = text.index("\n  " + flag)
+            end = text.find("\n  -", start + 1)
+            entry = " ".join(text[start:end].split())
+            assert f"(default: {f.default})" in entry, entry
+            flags += 1
+    assert flags == text.count("(default:") == 19  # 5 server settings, 14 engine settings
+    ns = api_server.make_parser().parse_args(["--max-model-len", "None", "--no-enable-chunked-prefill", "--port", "9"])
+    assert ns.max_model_len is None and ns.enable_chunked_prefill is False and ns.port == 9
+    assert api_server.make_parser().parse_args(["--max-model-len", "256"]).max_model_len == 256

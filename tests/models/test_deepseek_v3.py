@@ -7,8 +7,8 @@ import numpy as np
 import paddle
 import pytest
 from model_harness import Harness, assert_close_with_routing_flips, position_errors, rel
-from numpy_model_ref import forward, load_np
 
+from fastdeploy.model_executor.models.deepseek_v3_reference import forward, load_np
 from fastdeploy.tools.make_tiny_model import make_tiny_model
 
 

@@ -7,9 +7,9 @@ import shutil
 import numpy as np
 import pytest
 from model_harness import Harness, assert_close_with_routing_flips, rel
-from numpy_model_ref import forward, load_np
 
 from fastdeploy.model_executor.load_weight_utils import CheckpointError, checkpoint_files, dequant_fp8_block
+from fastdeploy.model_executor.models.deepseek_v3_reference import forward, load_np
 from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, SafeTensorsFile, save_file
 from fastdeploy.tools.make_tiny_model import make_tiny_model
 

@@ -7,11 +7,11 @@ import numpy as np
 import paddle
 import pytest
 from model_harness import Harness, assert_close_with_routing_flips, position_errors, rel
-from numpy_model_ref import forward, load_np, rms, rope_angles, rotate_pairs
 from numpy_refs import dequant_records
 
 from fastdeploy.config import KernelConfig
 from fastdeploy.model_executor.layers.rotary_embedding import deepseek_softmax_scale
+from fastdeploy.model_executor.models.deepseek_v3_reference import forward, load_np, rms, rope_angles, rotate_pairs
 from fastdeploy.tools.make_tiny_model import make_tiny_model
 
 BS = 16

@@ -1,5 +1,8 @@
 """An independent float64 numpy DeepSeek-V3, written from the model's math: no paging, no
-weight absorption, plain softmax(QK^T)V with a causal mask and an optional per-layer window."""
+weight absorption, plain softmax(QK^T)V with a causal mask and an optional per-layer window.
+
+The reference beside the model (tests and benchmarks/accuracy.py compare against it); it shares
+no code or constant with the paddle model, only the checkpoint reader."""
 
 from __future__ import annotations
 

@@ -1,0 +1,112 @@
+"""The step builder: everything derived from the batch is computed once per step, and every layer
+reads the builder's tensors. Window indices are checked against slots computed here from the
+block tables (numpy), with windows set here, not read from the code under test."""
+
+import sys
+import types
+
+import numpy as np
+import paddle
+import pytest
+from model_harness import Harness
+
+from fastdeploy.config import KernelConfig
+from fastdeploy.model_executor import forward_meta
+from fastdeploy.model_executor.forward_meta import ForwardMetaBuilder
+from fastdeploy.tools.make_tiny_model import make_tiny_model
+
+BS = 16
+
+
+def window_slots(table: list[int], p: int, W: int, topk: int) -> np.ndarray:
+    """Slots of positions max(0, p - W + 1) .. p ascending, then -1 up to topk."""
+    q = np.arange(max(0, p - W + 1), p + 1)
+    row = np.full(topk, -1, np.int64)
+    row[: q.size] = np.asarray(table)[q // BS] * BS + q % BS
+    return row
+
+
+@pytest.fixture(scope="module")
+def four_swa_dir(tmp_path_factory):  # every layer SWA, W = 32 in the checkpoint
+    return make_tiny_model(str(tmp_path_factory.mktemp("swa4")), seed=4, swa_layers=[0, 1, 2, 3], first_k_dense=4)
+
+
+def test_two_windows_indexed_once_and_shared(four_swa_dir, rng, monkeypatch):
+    W_A, W_B = 32, 12  # layers 0, 1 keep the checkpoint's window; layers 2, 3 get a second one
+    h = Harness(four_swa_dir, block_size=BS)
+    attn = [layer.self_attn for layer in h.model.model.layers]
+    for a in attn[2:]:
+        a.attn_backend.sliding_window = W_B
+    assert h.model.sliding_windows == [W_B, W_A]
+
+    calls = []
+    real = forward_meta.get_swa_indexer_top_k
+    monkeypatch.setattr(
+        forward_meta, "get_swa_indexer_top_k", lambda *a, **k: calls.append(a[4]) or real(*a, **k)
+    )  # observe only: count the builder's indexer runs per window
+    read = {}
+    for i, a in enumerate(attn):
+        inner = a.attn_backend.forward_static
+
+        def spy(q, cache, indices, meta, i=i, inner=inner):
+            read[i] = indices
+            return inner(q, cache, indices, meta)
+
+        a.attn_backend.forward_static = spy
+
+    ids = [int(x) for x in rng.integers(0, 500, 2 * W_A + BS + 3)]
+    h.prefill("a", ids[:-1])  # step 1: a long prefill
+    calls.clear()
+    # step 2, mixed: a's decode at 2W + BS + 2, b's prefill crossing both windows and block edges
+    b_ids = [int(x) for x in rng.integers(0, 500, W_A + 1)]
+    meta = h.build_meta([("a", ids[-1:]), ("b", b_ids)], decode={"a"})
+    assert sorted(calls) == [W_B, W_A]  # one indexer run per distinct window
+    assert set(meta.swa_indices) == {W_A, W_B}
+    with paddle.no_grad():
+        h.model(meta, h.caches)
+    assert read[0] is read[1] is meta.swa_indices[W_A]
+    assert read[2] is read[3] is meta.swa_indices[W_B]
+    assert len(calls) == 2  # the forward computed nothing more
+
+    positions = [len(ids) - 1] + list(range(len(b_ids)))
+    tables = [h.tables["a"]] + [h.tables["b"]] * len(b_ids)
+    for W in (W_A, W_B):
+        got = meta.swa_indices[W].numpy()
+        assert got.shape == (len(positions), W)  # the reference provider pads nothing
+        want = np.stack([window_slots(t, p, W, W) for t, p in zip(tables, positions, strict=True)])
+        np.testing.assert_array_equal(got, want)
+
+
+def test_flashmla_groups_padding_and_schedule_made_once(rng, monkeypatch):
+    """For FlashMLA the builder splits decode from prefill tokens, pads every window's rows to
+    128 (both of its kernels' multiples) and asks for the decode schedule once a step."""
+    made = []
+    fake = types.SimpleNamespace(get_mla_metadata=lambda: made.append(1) or f"sched{len(made)}")
+    monkeypatch.setitem(sys.modules, "flash_mla", fake)
+    builder = ForwardMetaBuilder(BS, [5, 130], KernelConfig(triton=False, sparse_mla_provider="flashmla"))
+    tables = [list(rng.permutation(40)[:12]) for _ in range(3)]
+    # request 0 decodes at 40, request 1 prefills 7 tokens from 3, request 2 decodes at 150
+    meta = builder.build(list(range(9)), [0, 7, 0], [40, 3, 150], tables)
+    assert made == [1] and meta.flashmla_schedule == "sched1"
+    assert [(g.tokens.numpy().tolist(), g.is_prefill) for g in meta.sparse_groups] == [
+        ([0, 8], False),
+        ([1, 2, 3, 4, 5, 6, 7], True),
+    ]
+    positions = [40, 3, 4, 5, 6, 7, 8, 9, 150]
+    rows = [0] + [1] * 7 + [2]
+    for W, topk in ((5, 128), (130, 256)):
+        want = np.stack([window_slots(tables[b], p, W, topk) for b, p in zip(rows, positions, strict=True)])
+        np.testing.assert_array_equal(meta.swa_indices[W].numpy(), want)
+    prefill_only = builder.build(list(range(4)), [4], [0], tables[:1])  # no decode: no schedule
+    assert made == [1] and prefill_only.flashmla_schedule is None
+    assert [g.is_prefill for g in prefill_only.sparse_groups] == [True]
+    builder.build(list(range(2)), [0, 0], [7, 9], tables[:2])
+    assert made == [1, 1]  # the next step gets its own schedule
+
+
+def test_reference_and_triton_take_the_mixed_batch_in_one_group():
+    for provider in ("reference", "triton"):
+        builder = ForwardMetaBuilder(BS, [8], KernelConfig(sparse_mla_provider=provider))
+        meta = builder.build(list(range(5)), [0, 4], [20, 0], [[0, 1], [2]])
+        assert len(meta.sparse_groups) == 1 and meta.sparse_groups[0].tokens is None
+        assert meta.flashmla_schedule is None and meta.swa_indices[8].shape == [5, 8]
