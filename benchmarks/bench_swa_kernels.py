@@ -8,7 +8,7 @@ case: correctness against a float32 torch reference on fresh random data, the me
 ceiling, and the speedup over a naive torch version. Inputs smaller than L2 are rotated over
 several copies so each call reads cold memory. The last thing printed is the table.
 
-Counts (per token; H heads, W window slots, DESIGN.md §4):
+Counts (per token; H heads, W window slots, docs/design.md §4.5):
   sparse MLA     FLOPs 2 * H * W * (576 + 512) (FlashMLA's count)
                  bytes 656 * W (records) + 4 * W (indices) + H * 576 * 2 (q) + H * 512 * 2 (out) + 4 * H (lse)
                  (issue 7 states 660 * W + 278528 for H = 128)

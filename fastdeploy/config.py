@@ -1,6 +1,6 @@
 """Configuration: the model's config.json (DeepSeek-V3 + SWA keys) and the engine's settings.
 
-SWA keys follow DESIGN.md §4: the window W counts the current token; ``window_attn_skip_freq``
+SWA keys follow docs/design.md §4.1: the window W counts the current token; ``window_attn_skip_freq``
 (Megatron-Core) or ``layer_types`` (Hugging Face) marks the SWA layers.
 """
 

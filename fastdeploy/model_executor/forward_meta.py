@@ -56,10 +56,6 @@ class ForwardMeta:
     flashmla_schedule: object | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
     def num_requests(self) -> int:
         return int(self.seq_lens_this_time.shape[0])
 

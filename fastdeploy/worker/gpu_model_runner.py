@@ -1,7 +1,7 @@
 """Model runner: KV cache allocation, the step's ForwardMeta, the model run, sampling.
 
 On a machine without a GPU it runs on paddle's CPU place; the name stays for parity with
-FastDeploy. Caches, one per layer (DESIGN.md §4): SWA layers uint8 [num_blocks, block_size, 1,
+FastDeploy. Caches, one per layer (docs/design.md §4.2): SWA layers uint8 [num_blocks, block_size, 1,
 656] (FP8 records); full layers [num_blocks, block_size, 1, 576] in the model dtype, bf16
 ("bf16") or the same FP8 record ("fp8"), as kv_cache_dtype says.
 """

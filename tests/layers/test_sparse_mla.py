@@ -117,7 +117,7 @@ def test_kernel_selection_by_argument(monkeypatch, caplog):
 
 
 def _fake_flash_mla(calls):
-    """A stand-in with FlashMLA's sparse contract (DESIGN.md §7) that checks its inputs."""
+    """A stand-in with FlashMLA's sparse contract (docs/design.md §4.5) that checks its inputs."""
 
     def attend(q, kv, idx, scale):  # q [s, h, 576], kv [S, 576] float64, idx [s, topk]
         out, lse = sparse_mla_np(q.double().numpy(), kv, idx.numpy(), scale)

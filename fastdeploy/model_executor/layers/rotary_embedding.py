@@ -48,7 +48,7 @@ def yarn_inv_freq(dim: int, base: float, rope_scaling: dict | None) -> tuple[np.
 
 
 def deepseek_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
-    """qk_head_dim^-0.5 * mscale^2 with YaRN's mscale (DESIGN.md §4)."""
+    """qk_head_dim^-0.5 * mscale^2 with YaRN's mscale (docs/design.md §4.6)."""
     scale = qk_head_dim**-0.5
     if rope_scaling and rope_scaling.get("mscale_all_dim"):
         m = yarn_get_mscale(float(rope_scaling["factor"]), rope_scaling["mscale_all_dim"])

@@ -98,7 +98,7 @@ _E4M3_GRID = np.array(
 
 
 def fp8_record_roundtrip(kv_c: np.ndarray, k_pe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """What the 656-byte record keeps (DESIGN.md section 4), in numpy: per 128-value tile a power-of-two
+    """What the 656-byte record keeps (docs/design.md §4.4), in numpy: per 128-value tile a power-of-two
     scale >= amax / 448 and e4m3 values (nearest, ties to even); rope values rounded to bf16."""
     x = kv_c.reshape(kv_c.shape[0], 4, 128)
     amax = np.abs(x).max(-1, keepdims=True).astype(np.float32)

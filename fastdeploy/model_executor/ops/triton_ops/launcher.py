@@ -1,4 +1,4 @@
-"""The one way a Triton kernel of this project is launched (DESIGN.md §5).
+"""The one way a Triton kernel of this project is launched (docs/design.md §5).
 
 - ``TRITON_INTERPRET=1`` (CPU tests): the interpreter accepts only torch tensors, so paddle
   tensors become zero-copy ``torch.from_dlpack`` views and the kernel's stores land in paddle's

@@ -1,4 +1,4 @@
-"""The 656-byte FP8 MLA cache record (DESIGN.md §4, FlashMLA's sparse format).
+"""The 656-byte FP8 MLA cache record (docs/design.md §4.4, FlashMLA's sparse format).
 
     bytes   0..511  kv_c (512 latent values) as float8_e4m3fn, tile i = values 128*i..128*i+127
     bytes 512..527  4 float32 scales, one per tile: the smallest power of two >= amax / 448

@@ -1,4 +1,4 @@
-"""Sparse MLA attention over the 656-byte FP8 cache (DESIGN.md §4), as Triton kernels.
+"""Sparse MLA attention over the 656-byte FP8 cache (docs/design.md §4.5), as Triton kernels.
 
 For token t and head h: softmax over the valid (>= 0) slots s of indices[t] of
 (q[t, h] . k[s]) * softmax_scale, times the first 512 values of k[s], where k[s] is the
