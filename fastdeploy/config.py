@@ -13,6 +13,7 @@ from typing import Any
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+FULL_GROUP, SWA_GROUP = "full", "swa"  # KV cache groups (docs/design.md §4.2)
 
 
 @dataclass
@@ -81,6 +82,14 @@ class ModelConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_groups(self) -> dict[str, list[int]]:
+        """Layer ids of each KV cache group that the model has (``full``, ``swa``), main layers only."""
+        groups: dict[str, list[int]] = {}
+        for i in range(self.num_hidden_layers):
+            groups.setdefault(SWA_GROUP if self.is_swa_layer(i) else FULL_GROUP, []).append(i)
+        return groups
 
     def is_swa_layer(self, layer_id: int) -> bool:
         """True when layer ``layer_id`` (0-based; MTP layers follow the main ones) is SWA."""
@@ -201,17 +210,25 @@ def _resolve_swa(cfg: ModelConfig, raw: dict[str, Any]) -> None:
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
 
+def swa_blocks_per_request(sliding_window: int, chunk: int, block_size: int) -> int:
+    """The most SWA blocks a request holds at once: its window before a chunk plus the chunk,
+    ceil((W - 1 + chunk) / block_size), plus one for a window that straddles a block edge."""
+    return -(-(sliding_window - 1 + chunk) // block_size) + 1
+
+
 @dataclass
 class CacheConfig:
     """KV cache settings. ``num_gpu_blocks_override`` None means: size from memory at start-up.
     ``kv_cache_dtype`` is the full-attention layers' cache format (SWA layers always keep the
-    656-byte FP8 record): auto (the model dtype), bf16 or fp8."""
+    656-byte FP8 record): auto (the model dtype), bf16 or fp8. ``swa_full_tokens_ratio``: SWA
+    pool blocks per full pool block; None: what max_num_seqs requests can hold at once."""
 
     block_size: int = 64
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = False
+    swa_full_tokens_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.block_size) or self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -222,6 +239,8 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.swa_full_tokens_ratio is not None and not 0 < self.swa_full_tokens_ratio:
+            raise ValueError(f"swa_full_tokens_ratio must be positive, got {self.swa_full_tokens_ratio!r}")
 
 
 @dataclass

@@ -51,7 +51,8 @@ class Request:
     output_text: str = ""
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # per KV cache group; -1 released
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     finish_reason: str | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -63,7 +63,7 @@ class Harness:
             tables.append(table)
             self.lens[rid] = start + len(toks)
         builder = ForwardMetaBuilder(self.block_size, self.model.sliding_windows, self.kernels)
-        return builder.build(ids, enc, dec, tables)
+        return builder.build(ids, enc, dec, {g: tables for g in self.cfg.kv_cache_groups})  # one table, both groups
 
     def step(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> dict[str, np.ndarray]:
         """Run one step: each (request, new token ids); returns float64 logits [n, vocab] per request."""

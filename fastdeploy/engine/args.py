@@ -39,6 +39,9 @@ class EngineArgs:
     gpu_memory_utilization: float = setting(0.9, "share of GPU memory the engine may use, KV cache included")
     enable_prefix_caching: bool = setting(False, "reuse the KV blocks of earlier requests' identical prefixes")
     enable_chunked_prefill: bool = setting(True, "split long prompts over steps under the token budget")
+    swa_full_tokens_ratio: float | None = setting(
+        None, "SWA-layer KV blocks per full-layer block; None: what max_num_seqs requests' windows need"
+    )
     kv_cache_dtype: str = setting(
         "auto", "full-attention layers' KV cache (SWA layers always use the FP8 record)", KV_CACHE_DTYPES
     )
@@ -66,6 +69,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_dtype=self.kv_cache_dtype,
                 enable_prefix_caching=self.enable_prefix_caching,
+                swa_full_tokens_ratio=self.swa_full_tokens_ratio,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

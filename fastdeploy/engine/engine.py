@@ -7,6 +7,7 @@ import time
 import uuid
 
 from fastdeploy.cache_manager.block_manager import BlockManager
+from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
 from fastdeploy.request import Request, RequestOutput
@@ -17,6 +18,29 @@ from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 logger = logging.getLogger("fastdeploy")
 
 
+def check_kv_capacity(num_blocks: dict[str, int], block_size: int, max_model_len: int, fd: FDConfig) -> None:
+    """Every request must fit alone: max_model_len tokens in the full pool, and in the SWA pool
+    the most blocks one request holds at once (its window plus a chunk, at most its length)."""
+    full = num_blocks.get(FULL_GROUP)
+    if full is not None and full * block_size < max_model_len:
+        raise ValueError(
+            f"max_model_len={max_model_len} needs more KV cache than the {full} full-attention blocks "
+            f"({full * block_size} tokens) available; lower --max-model-len or raise --num-gpu-blocks-override"
+        )
+    swa = num_blocks.get(SWA_GROUP)
+    if swa is not None:
+        chunk = fd.scheduler_config.max_num_batched_tokens
+        one = min(
+            swa_blocks_per_request(fd.model_config.sliding_window, chunk, block_size), -(-max_model_len // block_size)
+        )
+        if swa < one:
+            raise ValueError(
+                f"the SWA block pool has {swa} blocks, but one request can hold {one} at once (window "
+                f"{fd.model_config.sliding_window} + chunk {chunk}); raise --swa-full-tokens-ratio or "
+                "--num-gpu-blocks-override, or lower --max-num-batched-tokens"
+            )
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
@@ -25,14 +49,12 @@ class LLMEngine:
         self.tokenizer = Tokenizer(mc.model_dir)
         self.runner = GPUModelRunner(self.config, args.dtype)
         sc = self.config.scheduler_config
-        capacity = self.runner.num_blocks * self.runner.block_size
-        if capacity < sc.max_model_len:
-            raise ValueError(
-                f"max_model_len={sc.max_model_len} needs more KV cache than the {self.runner.num_blocks} blocks "
-                f"({capacity} tokens) available; lower --max-model-len or raise --num-gpu-blocks-override"
-            )
+        check_kv_capacity(self.runner.num_blocks, self.runner.block_size, sc.max_model_len, self.config)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, self.runner.block_size, self.config.cache_config.enable_prefix_caching
+            self.runner.num_blocks,
+            self.runner.block_size,
+            self.config.cache_config.enable_prefix_caching,
+            mc.sliding_window,
         )
         self.scheduler = Scheduler(sc, self.block_manager)
         self.requests: dict[str, Request] = {}

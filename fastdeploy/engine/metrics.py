@@ -77,11 +77,29 @@ class EngineMetrics:
             ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", bm.prefix_queries),
             ("prefix_cache_hits_total", "Prompt tokens served from the prefix cache.", bm.prefix_hits),
         ]
+        counters.append(
+            ("swa_blocks_released_total", "SWA blocks released out of their window.", bm.swa_blocks_released)
+        )
+        per_group = {  # the unlabeled series above is the sum over groups
+            ("kv_cache_blocks_used", "gauge"): {g: p.num_used for g, p in bm.pools.items()},
+            ("kv_cache_blocks_free", "gauge"): {g: p.num_free for g, p in bm.pools.items()},
+        }
         lines = []
-        for name, doc, v in gauges:
-            lines += [f"# HELP fastdeploy:{name} {doc}", f"# TYPE fastdeploy:{name} gauge", f"fastdeploy:{name} {v}"]
-        for name, doc, v in counters:
-            lines += [f"# HELP fastdeploy:{name} {doc}", f"# TYPE fastdeploy:{name} counter", f"fastdeploy:{name} {v}"]
+        for kind, rows in (("gauge", gauges), ("counter", counters)):
+            for name, doc, v in rows:
+                lines += [
+                    f"# HELP fastdeploy:{name} {doc}",
+                    f"# TYPE fastdeploy:{name} {kind}",
+                    f"fastdeploy:{name} {v}",
+                ]
+                lines += [f'fastdeploy:{name}{{group="{g}"}} {n}' for g, n in per_group.get((name, kind), {}).items()]
+        lines += [
+            "# HELP fastdeploy:prefix_cache_hit_blocks_total KV blocks reused from the prefix cache, per group.",
+            "# TYPE fastdeploy:prefix_cache_hit_blocks_total counter",
+        ]
+        lines += [
+            f'fastdeploy:prefix_cache_hit_blocks_total{{group="{g}"}} {n}' for g, n in bm.prefix_hit_blocks.items()
+        ]
         lines += [
             "# HELP fastdeploy:request_success_total Finished requests by reason.",
             "# TYPE fastdeploy:request_success_total counter",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from fastdeploy.config import KernelConfig
+from fastdeploy.config import SWA_GROUP, KernelConfig
 from fastdeploy.model_executor.layers.attention.sparse_mla_providers import flashmla_schedule, step_topk_multiple
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer_top_k
 
@@ -33,7 +33,8 @@ class ForwardMeta:
     """One step over the flattened tokens of B requests (T tokens).
 
     Device (paddle): input_ids, positions int64 [T]; batch_id_per_token int32 [T] (-1 padding);
-    block_tables int32 [B, max_blocks] (-1 unused); slot_mapping int32 [T] (-1 skips).
+    per KV cache group g ("full", "swa"): block_tables[g] int32 [B, max_blocks] (-1 unused or
+    released) and slot_mapping[g] int32 [T] (-1 skips).
     Host (numpy int32, so per-request loops need no device sync): seq_lens_encoder,
     seq_lens_decoder, seq_lens_this_time [B]; cu_seqlens_q [B + 1].
     Derived once by the builder: swa_indices {W: int32 [T, topk]} with topk = W rounded up to the
@@ -44,8 +45,8 @@ class ForwardMeta:
     input_ids: paddle.Tensor
     positions: paddle.Tensor
     batch_id_per_token: paddle.Tensor
-    block_tables: paddle.Tensor
-    slot_mapping: paddle.Tensor
+    block_tables: dict[str, paddle.Tensor]
+    slot_mapping: dict[str, paddle.Tensor]
     seq_lens_encoder: np.ndarray
     seq_lens_decoder: np.ndarray
     seq_lens_this_time: np.ndarray
@@ -76,10 +77,11 @@ class ForwardMetaBuilder:
         input_ids: list[int] | np.ndarray,
         seq_lens_encoder: list[int],
         seq_lens_decoder: list[int],
-        block_tables: list[list[int]],
+        block_tables: dict[str, list[list[int]]],
     ) -> ForwardMeta:
         """From host lists: request b contributes seq_lens_this_time[b] tokens at positions
-        seq_lens_decoder[b] .. + n - 1 (its prefill chunk, or 1 for a decode)."""
+        seq_lens_decoder[b] .. + n - 1 (its prefill chunk, or 1 for a decode); block_tables[g][b]
+        is its table in KV cache group g."""
         bs = self.block_size
         enc = np.asarray(seq_lens_encoder, np.int32)
         dec = np.asarray(seq_lens_decoder, np.int32)
@@ -88,24 +90,26 @@ class ForwardMetaBuilder:
         B = len(enc)
         bid = np.repeat(np.arange(B, dtype=np.int32), this)
         pos = (np.arange(cu[-1]) - np.repeat(cu[:-1], this) + np.repeat(dec, this)).astype(np.int64)
-        width = max([len(r) for r in block_tables] + [1])
-        bt = np.full((B, width), -1, np.int32)
-        for b, row in enumerate(block_tables):
-            bt[b, : len(row)] = row
-        blk = bt[bid, pos // bs] if len(pos) else np.zeros(0, np.int32)
-        if (blk < 0).any():
-            raise ValueError("block_tables do not cover every token of the step")
-        slots = (blk.astype(np.int64) * bs + pos % bs).astype(np.int32)
+        tables, slots = {}, {}
+        for g, rows in block_tables.items():
+            bt = np.full((B, max([len(r) for r in rows] + [1])), -1, np.int32)
+            for b, row in enumerate(rows):
+                bt[b, : len(row)] = row
+            blk = bt[bid, pos // bs] if len(pos) else np.zeros(0, np.int32)
+            if (blk < 0).any():
+                raise ValueError(f"block_tables[{g!r}] do not cover every token of the step")
+            tables[g] = paddle.to_tensor(bt)
+            slots[g] = paddle.to_tensor((blk.astype(np.int64) * bs + pos % bs).astype(np.int32))
         ids = np.asarray(input_ids, np.int64)
         if ids.shape[0] != cu[-1]:
             raise ValueError(f"{ids.shape[0]} input ids for {cu[-1]} scheduled tokens")
 
-        positions, batch_id, tables = paddle.to_tensor(pos), paddle.to_tensor(bid), paddle.to_tensor(bt)
+        positions, batch_id = paddle.to_tensor(pos), paddle.to_tensor(bid)
         provider = self.kernels.sparse_mla_provider
         multiple = step_topk_multiple(provider)
         swa_indices = {
             W: get_swa_indexer_top_k(
-                positions, batch_id, tables, bs, W, -(-W // multiple) * multiple, triton=self.kernels.triton
+                positions, batch_id, tables[SWA_GROUP], bs, W, -(-W // multiple) * multiple, triton=self.kernels.triton
             )
             for W in self.sliding_windows
         }
@@ -124,7 +128,7 @@ class ForwardMetaBuilder:
             positions=positions,
             batch_id_per_token=batch_id,
             block_tables=tables,
-            slot_mapping=paddle.to_tensor(slots),
+            slot_mapping=slots,
             seq_lens_encoder=enc,
             seq_lens_decoder=dec,
             seq_lens_this_time=this,

@@ -1,20 +1,22 @@
 """Model runner: KV cache allocation, the step's ForwardMeta, the model run, sampling.
 
 On a machine without a GPU it runs on paddle's CPU place; the name stays for parity with
-FastDeploy. Caches, one per layer (docs/design.md §4.2): SWA layers uint8 [num_blocks, block_size, 1,
-656] (FP8 records); full layers [num_blocks, block_size, 1, 576] in the model dtype, bf16
-("bf16") or the same FP8 record ("fp8"), as kv_cache_dtype says.
+FastDeploy. Caches, one per layer, sized by its KV cache group's pool (docs/design.md §4.2): SWA
+layers uint8 [swa blocks, block_size, 1, 656] (FP8 records); full layers [full blocks,
+block_size, 1, 576] in the model dtype, bf16 ("bf16") or the same FP8 record ("fp8"), as
+kv_cache_dtype says.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import numpy as np
 import paddle
 
-from fastdeploy.config import FDConfig
+from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.layers.sampler import SampleResult, sample
 from fastdeploy.model_executor.load_weight_utils import load_weights
@@ -47,22 +49,51 @@ def cache_spec(fd: FDConfig, layer_id: int, model_dtype: str) -> tuple[str, int]
     return dtype, 576 * paddle.to_tensor([], dtype=dtype).element_size()
 
 
-def bytes_per_block(fd: FDConfig, model_dtype: str) -> int:
-    bs = fd.cache_config.block_size
-    return sum(cache_spec(fd, i, model_dtype)[1] * bs for i in range(fd.model_config.num_hidden_layers))
+def group_bytes_per_block(fd: FDConfig, model_dtype: str) -> dict[str, int]:
+    """Bytes of one block over all layers of each KV cache group."""
+    bs, out = fd.cache_config.block_size, {}
+    for g, layers in fd.model_config.kv_cache_groups.items():
+        out[g] = sum(cache_spec(fd, i, model_dtype)[1] * bs for i in layers)
+    return out
 
 
-def num_blocks_for(fd: FDConfig, model_dtype: str) -> int:
-    """The pool size: the override, else the memory budget over the real bytes per block."""
-    if fd.cache_config.num_gpu_blocks_override:
-        return fd.cache_config.num_gpu_blocks_override
-    per_block = bytes_per_block(fd, model_dtype)
+def kv_budget_bytes(fd: FDConfig) -> float:
+    """Memory the KV cache may take: the GPU's share left after the weights, or on CPU
+    FD_CPU_KV_CACHE_BYTES."""
     if on_gpu():
         total = paddle.device.cuda.get_device_properties().total_memory
-        budget = total * fd.cache_config.gpu_memory_utilization - paddle.device.cuda.memory_allocated()
+        return total * fd.cache_config.gpu_memory_utilization - paddle.device.cuda.memory_allocated()
+    return float(os.environ.get("FD_CPU_KV_CACHE_BYTES", CPU_KV_CACHE_BYTES))
+
+
+def plan_kv_blocks(fd: FDConfig, per_block: dict[str, int], budget: float) -> dict[str, int]:
+    """Blocks of each group's pool (docs/design.md §4.2). One group takes the budget (or the
+    override). With both, the SWA pool holds what max_num_seqs requests can need at once
+    (``swa_blocks_per_request`` each), never more than the full pool (a request's SWA blocks are
+    a subset of its logical blocks), and the full pool takes the rest; ``swa_full_tokens_ratio``
+    fixes SWA blocks per full block instead; ``num_gpu_blocks_override`` sets the full pool."""
+    cc, sc, mc = fd.cache_config, fd.scheduler_config, fd.model_config
+    override, ratio = cc.num_gpu_blocks_override, cc.swa_full_tokens_ratio
+    if len(per_block) == 1:
+        ((g, nbytes),) = per_block.items()
+        return {g: override or max(1, int(budget // nbytes))}
+    full_b, swa_b = per_block[FULL_GROUP], per_block[SWA_GROUP]
+    need = sc.max_num_seqs * swa_blocks_per_request(mc.sliding_window, sc.max_num_batched_tokens, cc.block_size)
+    if override:
+        full = override
+    elif ratio:
+        full = int(budget // (full_b + ratio * swa_b))
     else:
-        budget = int(os.environ.get("FD_CPU_KV_CACHE_BYTES", CPU_KV_CACHE_BYTES))
-    return max(1, int(budget // per_block))
+        full = int((budget - need * swa_b) // full_b)
+        if full < need:  # tight memory: as many SWA blocks as full ones
+            full = int(budget // (full_b + swa_b))
+    swa = math.ceil(ratio * full) if ratio else min(need, full)
+    return {FULL_GROUP: max(1, full), SWA_GROUP: max(1, swa)}
+
+
+def num_blocks_for(fd: FDConfig, model_dtype: str) -> dict[str, int]:
+    """Each group's pool size from the memory budget and each group's real bytes per block."""
+    return plan_kv_blocks(fd, group_bytes_per_block(fd, model_dtype), kv_budget_bytes(fd))
 
 
 class GPUModelRunner:
@@ -78,34 +109,41 @@ class GPUModelRunner:
         self.num_blocks = num_blocks_for(fd_config, self.dtype)
         self.caches = self.allocate_caches(self.num_blocks)
 
-    def allocate_caches(self, num_blocks: int) -> list[paddle.Tensor]:
+    def allocate_caches(self, num_blocks: dict[str, int]) -> list[paddle.Tensor]:
+        """One cache a layer, of its group's pool size."""
         mc, bs = self.fd.model_config, self.block_size
-        caches, per_kind = [], {}
+        group_of = {i: g for g, layers in mc.kv_cache_groups.items() for i in layers}
+        caches = []
         for i in range(mc.num_hidden_layers):
-            dtype, width = cache_spec(self.fd, i, self.dtype)
+            dtype, _ = cache_spec(self.fd, i, self.dtype)
             last = RECORD_BYTES if dtype == "uint8" else 576
-            caches.append(paddle.zeros([num_blocks, bs, 1, last], dtype=dtype))
-            kind = "swa" if mc.is_swa_layer(i) else "full"
-            per_kind[kind] = (dtype, width * bs)
-        for kind, (dtype, nbytes) in sorted(per_kind.items()):
-            logger.info("KV cache %s layers: %s, %d bytes per block per layer", kind, dtype, nbytes)
-        logger.info(
-            "KV cache: %d blocks of %d tokens, %d bytes per block over all layers",
-            num_blocks,
-            bs,
-            bytes_per_block(self.fd, self.dtype),
-        )
+            caches.append(paddle.zeros([num_blocks[group_of[i]], bs, 1, last], dtype=dtype))
+        per_block = group_bytes_per_block(self.fd, self.dtype)
+        for g, layers in mc.kv_cache_groups.items():
+            dtype = cache_spec(self.fd, layers[0], self.dtype)[0]
+            logger.info(
+                "KV cache group %s: %d layers, %s, %d blocks of %d tokens, %d bytes a block over its layers (%.1f MiB)",
+                g,
+                len(layers),
+                dtype,
+                num_blocks[g],
+                bs,
+                per_block[g],
+                num_blocks[g] * per_block[g] / 2**20,
+            )
         return caches
 
     def build_meta(self, scheduled: list[tuple[Request, int]]) -> ForwardMeta:
-        ids, enc, dec, tables = [], [], [], []
+        ids, enc, dec = [], [], []
+        tables: dict[str, list[list[int]]] = {g: [] for g in self.num_blocks}
         for req, n in scheduled:
             start = req.num_computed_tokens
             ids.extend(req.all_token_ids[start : start + n])
             is_decode = n == 1 and req.output_token_ids and start == req.num_tokens - 1
             enc.append(0 if is_decode else n)
             dec.append(start)
-            tables.append(req.block_table)
+            for g, rows in tables.items():
+                rows.append(req.block_tables[g])
         return self.meta_builder.build(ids, enc, dec, tables)
 
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[SampleResult | None]:

@@ -6,7 +6,7 @@ import pytest
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.config import FDConfig, KernelConfig, ModelConfig
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.worker.gpu_model_runner import bytes_per_block, cache_spec, num_blocks_for
+from fastdeploy.worker.gpu_model_runner import cache_spec, group_bytes_per_block, num_blocks_for
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -92,7 +92,7 @@ def test_preemption_completes_with_same_tokens(llm, rng):
     assert [o.outputs[0].token_ids for o in got] == want
     eng = tiny.engine
     assert sum(r.num_preemptions for r in eng.preempted_log) > 0
-    assert eng.block_manager.num_free_blocks == 12
+    assert {g: p.num_free for g, p in eng.block_manager.pools.items()} == {"full": 12, "swa": 12}
 
 
 def test_prefix_caching_same_tokens_and_hits(rng):
@@ -141,9 +141,22 @@ def test_cache_allocation_per_layer_and_budget(tiny_model_dir):
             want = ("uint8", 656) if mc.is_swa_layer(i) else (full_dtype, full_bytes)
             assert cache_spec(fd, i, "float32") == want
         n_swa = len(mc.swa_layer_ids)
-        per_block = 16 * (656 * n_swa + full_bytes * (mc.num_hidden_layers - n_swa))
-        assert bytes_per_block(fd, "float32") == per_block
-        assert num_blocks_for(fd, "float32") == (512 * 2**20) // per_block
+        per_block = {"full": 16 * full_bytes * (mc.num_hidden_layers - n_swa), "swa": 16 * 656 * n_swa}
+        assert group_bytes_per_block(fd, "float32") == per_block
+        # the SWA pool holds 64 requests' windows + chunks (ceil((32 - 1 + 2048) / 16) + 1 blocks each) and
+        # the full pool the rest, unless that leaves fewer full blocks than SWA ones: then they are equal
+        budget, swa = 512 * 2**20, 64 * (-(-(32 - 1 + 2048) // 16) + 1)
+        rest = (budget - swa * per_block["swa"]) // per_block["full"]
+        equal = budget // (per_block["full"] + per_block["swa"])
+        assert (rest < swa) == (quant == "auto")  # float32 full layers leave too little
+        want = {"full": rest, "swa": swa} if rest >= swa else {"full": equal, "swa": equal}
+        assert num_blocks_for(fd, "float32") == want
+        assert sum(want[g] * per_block[g] for g in want) <= budget
+        ratio = FDConfig(mc, CacheConfig(block_size=16, kv_cache_dtype=quant, swa_full_tokens_ratio=0.25))
+        full = int(budget // (per_block["full"] + 0.25 * per_block["swa"]))
+        assert num_blocks_for(ratio, "float32") == {"full": full, "swa": -(-full // 4)}
+        override = FDConfig(mc, CacheConfig(block_size=16, num_gpu_blocks_override=40, kv_cache_dtype=quant))
+        assert num_blocks_for(override, "float32") == {"full": 40, "swa": 40}
         assert fd.cache_config.kv_cache_dtype == quant  # choosing SWA's format did not clear it
 
 
@@ -151,7 +164,8 @@ def test_runner_allocates_the_specs(llm):
     r = llm.engine.runner
     mc = r.fd.model_config
     for i, c in enumerate(r.caches):
-        assert list(c.shape) == [r.num_blocks, 16, 1, 656 if mc.is_swa_layer(i) else 576]
+        g = "swa" if mc.is_swa_layer(i) else "full"
+        assert list(c.shape) == [r.num_blocks[g], 16, 1, 656 if g == "swa" else 576]
         assert (str(c.dtype).endswith("uint8")) == mc.is_swa_layer(i)
 
 

@@ -86,7 +86,7 @@ def test_flashmla_groups_padding_and_schedule_made_once(rng, monkeypatch):
     builder = ForwardMetaBuilder(BS, [5, 130], KernelConfig(triton=False, sparse_mla_provider="flashmla"))
     tables = [list(rng.permutation(40)[:12]) for _ in range(3)]
     # request 0 decodes at 40, request 1 prefills 7 tokens from 3, request 2 decodes at 150
-    meta = builder.build(list(range(9)), [0, 7, 0], [40, 3, 150], tables)
+    meta = builder.build(list(range(9)), [0, 7, 0], [40, 3, 150], {"swa": tables})
     assert made == [1] and meta.flashmla_schedule == "sched1"
     assert [(g.tokens.numpy().tolist(), g.is_prefill) for g in meta.sparse_groups] == [
         ([0, 8], False),
@@ -97,16 +97,16 @@ def test_flashmla_groups_padding_and_schedule_made_once(rng, monkeypatch):
     for W, topk in ((5, 128), (130, 256)):
         want = np.stack([window_slots(tables[b], p, W, topk) for b, p in zip(rows, positions, strict=True)])
         np.testing.assert_array_equal(meta.swa_indices[W].numpy(), want)
-    prefill_only = builder.build(list(range(4)), [4], [0], tables[:1])  # no decode: no schedule
+    prefill_only = builder.build(list(range(4)), [4], [0], {"swa": tables[:1]})  # no decode: no schedule
     assert made == [1] and prefill_only.flashmla_schedule is None
     assert [g.is_prefill for g in prefill_only.sparse_groups] == [True]
-    builder.build(list(range(2)), [0, 0], [7, 9], tables[:2])
+    builder.build(list(range(2)), [0, 0], [7, 9], {"swa": tables[:2]})
     assert made == [1, 1]  # the next step gets its own schedule
 
 
 def test_reference_and_triton_take_the_mixed_batch_in_one_group():
     for provider in ("reference", "triton"):
         builder = ForwardMetaBuilder(BS, [8], KernelConfig(sparse_mla_provider=provider))
-        meta = builder.build(list(range(5)), [0, 4], [20, 0], [[0, 1], [2]])
+        meta = builder.build(list(range(5)), [0, 4], [20, 0], {"swa": [[0, 1], [2]]})
         assert len(meta.sparse_groups) == 1 and meta.sparse_groups[0].tokens is None
         assert meta.flashmla_schedule is None and meta.swa_indices[8].shape == [5, 8]

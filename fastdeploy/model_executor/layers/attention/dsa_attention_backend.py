@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import paddle
 
-from fastdeploy.config import KernelConfig
+from fastdeploy.config import SWA_GROUP, KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.sparse_mla_providers import sparse_mla_attention
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import write_mla_fp8_cache, write_mla_fp8_cache_ref
@@ -38,7 +38,7 @@ class DSAAttentionBackend:
     ) -> paddle.Tensor:
         """q [T, H, 576] (absorbed), kv_c [T, 512] and k_pe [T, 64] in the model dtype, cache uint8
         [num_blocks, block_size, 1, 656] -> latent float32 [T, H, 512]."""
-        self.write_cache(kv_c, k_pe, meta.slot_mapping, cache)
+        self.write_cache(kv_c, k_pe, meta.slot_mapping[SWA_GROUP], cache)
         q = q.astype(self.q_dtype(kv_c.dtype))
         return self.forward_static(q, cache, meta.swa_indices[self.sliding_window], meta)
 

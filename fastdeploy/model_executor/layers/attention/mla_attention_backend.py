@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import paddle
 
-from fastdeploy.config import KernelConfig
+from fastdeploy.config import FULL_GROUP, KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import (
     RECORD_BYTES,
@@ -31,12 +31,13 @@ class MLAAttentionBackend:
 
     def write_cache(self, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> None:
         """Store each token's [kv_c | k_pe] at its slot (slot -1 skips), in the cache's format."""
+        slots = meta.slot_mapping[FULL_GROUP]
         if cache.dtype == paddle.uint8:
-            self.write_records(kv_c, k_pe, meta.slot_mapping, cache)
+            self.write_records(kv_c, k_pe, slots, cache)
             return
-        keep = paddle.nonzero(meta.slot_mapping >= 0).flatten()
+        keep = paddle.nonzero(slots >= 0).flatten()
         rows = paddle.concat([kv_c, k_pe], axis=-1)[keep].astype(cache.dtype)
-        cache.reshape([-1, cache.shape[-1]])[meta.slot_mapping.astype("int64")[keep]] = rows
+        cache.reshape([-1, cache.shape[-1]])[slots.astype("int64")[keep]] = rows
 
     def read_cache(self, cache: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
         """float32 [n, 576] entries at slots int64 [n]."""
@@ -52,12 +53,12 @@ class MLAAttentionBackend:
         self.write_cache(kv_c, k_pe, cache, meta)
         T, H = q.shape[0], q.shape[1]
         out = paddle.zeros([T, H, 512], "float32")
-        bs = meta.block_size
+        bs, tables = meta.block_size, meta.block_tables[FULL_GROUP]
         for b in range(meta.num_requests):  # one batched attention per request
             n = int(meta.seq_lens_this_time[b])
             start, ctx = int(meta.cu_seqlens_q[b]), int(meta.seq_lens_decoder[b]) + n
             pos = paddle.arange(ctx, dtype="int64")
-            slots = meta.block_tables[b].astype("int64")[pos // bs] * bs + pos % bs
+            slots = tables[b].astype("int64")[pos // bs] * bs + pos % bs
             kv = self.read_cache(cache, slots)  # [ctx, 576]
             qb = q[start : start + n].astype("float32")  # [n, H, 576]
             logits = paddle.matmul(qb.reshape([n * H, 576]), kv, transpose_y=True).reshape([n, H, ctx])
