@@ -74,3 +74,22 @@ def test_errors_and_empty(impl):
         impl(z, z, bt, 16, 8, 4)
     with pytest.raises(ValueError, match="sliding_window"):
         impl(z, z, bt, 16, 0, 4)
+
+
+@pytest.mark.parametrize("impl", [swa_indexer_triton, swa_indexer_ref], ids=["triton", "ref"])
+def test_released_blocks_map_to_minus_one(impl, rng):
+    """Released SWA table entries are -1: a window that reaches into one (which the release rule
+    never lets a real step do) gets -1 there and real slots elsewhere; tables of windows that
+    start past the released blocks are unaffected."""
+    bs, W = 16, 40
+    bt = rng.permutation(64)[:12].reshape(2, 6).astype(np.int32)
+    bt[0, :2] = -1  # request 0 released blocks 0, 1 (positions 0..31)
+    bt[1, 0] = -7  # any negative id counts as released
+    pos = np.array([31, 32, 45, 71, 72, 95, 15, 16, 60], np.int32)
+    bids = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1], np.int32)
+    got = impl(paddle.to_tensor(pos), paddle.to_tensor(bids), paddle.to_tensor(bt), bs, W, W).numpy()
+    want = python_indexer(pos.tolist(), bids.tolist(), bt.tolist(), bs, W, W)
+    np.testing.assert_array_equal(got, want)
+    assert (got[0] == -1).all()  # position 31 sees 0..31: all released
+    assert (got[2, :26] == -1).all() and (got[2, 26:] >= 0).all()  # 45 sees 6..45: 6..31 released
+    assert (got[4] >= 0).all()  # 72 sees 33..72: none released

@@ -1,0 +1,164 @@
+"""Block pools per KV cache group: SWA release and its bound, reference counts while requests
+share blocks, prefix hits across groups. Windows and bounds are written out here (W = 32,
+block 16), not read from the code under test."""
+
+import pytest
+
+from fastdeploy.cache_manager.block_manager import BlockManager
+from fastdeploy.request import Request
+from fastdeploy.sampling_params import SamplingParams
+
+W, BS = 32, 16
+
+
+def bound(chunk: int) -> int:
+    return -(-(W - 1 + chunk) // BS) + 1
+
+
+def request(tokens, rid="r"):
+    return Request(rid, list(tokens), SamplingParams())
+
+
+def step(bm: BlockManager, req: Request, n: int) -> None:
+    """One engine step of n tokens for req: allocate, compute, register full blocks."""
+    assert bm.allocate(req, n)
+    req.num_computed_tokens += n
+    bm.cache_full_blocks(req)
+
+
+def held(req: Request, g: str) -> list[int]:
+    return [b for b in req.block_tables[g] if b >= 0]
+
+
+def visible_blocks(p0: int, n: int) -> set[int]:
+    """Logical blocks any query at p0 .. p0 + n - 1 can see: positions max(0, p0 - W + 1) .. p0 + n - 1."""
+    return set(range(max(0, p0 - W + 1) // BS, (p0 + n - 1) // BS + 1))
+
+
+@pytest.mark.parametrize("chunk", [7, 32, 45])  # below, equal to and above W
+def test_release_keeps_only_the_window_over_20w(chunk):
+    bm = BlockManager({"full": 200, "swa": 12}, BS, sliding_window=W)
+    req = request(range(5 * W))
+    peak = 0
+    while req.num_computed_tokens < req.num_tokens:  # chunked prefill
+        p0, n = req.num_computed_tokens, min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert bm.allocate(req, n)
+        swa = req.block_tables["swa"]
+        kept = {j for j, b in enumerate(swa) if b >= 0}
+        assert kept == visible_blocks(p0, n)  # exactly the blocks some query of the step can see
+        assert all(b == -1 for j, b in enumerate(swa) if j not in kept)
+        assert len(req.block_tables["full"]) == -(-(p0 + n) // BS)  # full blocks grow with L
+        peak = max(peak, len(kept))
+        req.num_computed_tokens += n
+    while req.num_tokens < 20 * W:  # decode to 20W
+        req.output_token_ids.append(1)
+        p0 = req.num_computed_tokens
+        assert bm.allocate(req, 1)
+        assert {j for j, b in enumerate(req.block_tables["swa"]) if b >= 0} == visible_blocks(p0, 1)
+        peak = max(peak, len(held(req, "swa")))
+        req.num_computed_tokens += 1
+    assert peak <= bound(chunk) and len(req.block_tables["full"]) == 20 * W // BS
+    assert bm.swa_blocks_released == len(req.block_tables["swa"]) - len(held(req, "swa"))
+    assert bm.pools["swa"].num_used == len(held(req, "swa")) <= bound(1)
+    bm.free_request(req)
+    assert bm.pools["full"].num_free == 200 and bm.pools["swa"].num_free == 12
+
+
+def test_allocate_is_all_or_nothing_across_pools():
+    bm = BlockManager({"full": 3, "swa": 2}, BS, sliding_window=W)
+    req = request(range(40))
+    assert not bm.allocate(req, 40)  # 3 full blocks fit, 3 SWA blocks do not
+    assert req.block_tables == {"full": [], "swa": []}
+    assert bm.pools["full"].num_free == 3 and bm.pools["swa"].num_free == 2
+    assert bm.allocate(req, 32)
+
+
+def test_shared_prefix_reference_counts_with_release():
+    bm = BlockManager({"full": 40, "swa": 40}, BS, enable_prefix_caching=True, sliding_window=W)
+    shared = list(range(100, 164))  # 4 blocks
+    a = request(shared + [1, 2, 3], "a")
+    step(bm, a, a.num_tokens)
+    b = request(shared + [7] * 40, "b")
+    assert bm.match_prefix(b) == 64
+    b.num_computed_tokens = 64
+    full, swa = bm.pools["full"], bm.pools["swa"]
+    # b needs positions 64 - W + 1 = 33 .. 63 before its own: SWA blocks 2, 3 of a, not 0, 1
+    assert b.block_tables["full"] == a.block_tables["full"][:4]
+    assert b.block_tables["swa"] == [-1, -1] + a.block_tables["swa"][2:4]
+    assert [full.ref_cnt[x] for x in a.block_tables["full"]] == [2, 2, 2, 2, 1]
+    assert [swa.ref_cnt[x] for x in a.block_tables["swa"]] == [1, 1, 2, 2, 1]
+    step(bm, b, 20)
+    assert b.block_tables["swa"][:4] == [-1, -1] + a.block_tables["swa"][2:4]  # released before a step, not after
+    assert bm.release(b) == 1  # before b's next step: queries from 84 see 84 - 31 = 53 on, not block 2
+    assert b.block_tables["swa"][:3] == [-1, -1, -1]
+    assert [swa.ref_cnt[x] for x in a.block_tables["swa"]] == [1, 1, 1, 2, 1]
+    used_before = full.num_used, swa.num_used
+    bm.free_request(a)
+    assert [full.ref_cnt[x] for x in b.block_tables["full"]] == [1, 1, 1, 1, 1, 1]
+    assert full.num_used == used_before[0] - 1 and swa.num_used == used_before[1] - 4
+    step(bm, b, 20)
+    bm.free_request(b)
+    assert full.num_free == 40 and swa.num_free == 40
+    assert all(c == 0 for c in full.ref_cnt + swa.ref_cnt)
+
+
+def test_same_block_after_different_prefixes_is_not_a_hit():
+    bm = BlockManager({"full": 20, "swa": 20}, BS, enable_prefix_caching=True, sliding_window=W)
+    block = list(range(16))
+    a = request([1] * 16 + block + [5], "a")
+    step(bm, a, a.num_tokens)
+    b = request([2] * 16 + block + [5], "b")  # the same second block after another first block
+    assert bm.match_prefix(b) == 0
+    assert b.block_tables == {"full": [], "swa": []}
+
+
+@pytest.mark.parametrize("prefix_blocks", [1, 2, 3])  # 16, 32, 48 tokens: shorter than, equal to, longer than W
+def test_prefix_hit_lengths_and_window_blocks(prefix_blocks):
+    bm = BlockManager({"full": 40, "swa": 40}, BS, enable_prefix_caching=True, sliding_window=W)
+    a = request(range(200, 260), "a")
+    step(bm, a, a.num_tokens)
+    b = request(list(range(200, 200 + prefix_blocks * BS)) + [9] * 5, "b")
+    hit = bm.match_prefix(b)
+    assert hit == prefix_blocks * BS
+    first = max(0, hit - W + 1) // BS  # the window before the hit point starts in this block
+    assert b.block_tables["swa"] == [-1] * first + a.block_tables["swa"][first:prefix_blocks]
+    assert bm.prefix_hit_blocks == {"full": prefix_blocks, "swa": prefix_blocks - first}
+
+
+def test_hit_shortened_when_window_blocks_were_evicted():
+    bm = BlockManager({"full": 40, "swa": 8}, BS, enable_prefix_caching=True, sliding_window=W)
+    a = request(range(300, 380), "a")  # 5 blocks; the SWA window of its end is blocks 2..4
+    step(bm, a, a.num_tokens)
+    swa_a = list(a.block_tables["swa"])
+    bm.free_request(a)
+    # another request takes (and so evicts) a's SWA block 3: hit points 4 and 5 lose their window
+    swa = bm.pools["swa"]
+    swa.free.move_to_end(swa_a[3], last=False)
+    assert swa.take() == swa_a[3]
+    b = request(list(range(300, 380)) + [1], "b")
+    assert bm.match_prefix(b) == 3 * BS  # the window of position 48 (blocks 1, 2) is still cached
+    assert b.block_tables["swa"] == [-1, swa_a[1], swa_a[2]]
+    assert len(b.block_tables["full"]) == 3
+
+
+def test_released_blocks_keep_their_hash_until_reused():
+    bm = BlockManager({"full": 40, "swa": 40}, BS, enable_prefix_caching=True, sliding_window=W)
+    a = request(range(400, 500), "a")
+    step(bm, a, 48)
+    a0 = a.block_tables["swa"][0]
+    step(bm, a, 52)  # before it, queries from 48 on see 48 - 31 = 17 on: SWA block 0 is released
+    assert a.block_tables["swa"][0] == -1 and bm.pools["swa"].ref_cnt[a0] == 0 and a0 in bm.pools["swa"].free
+    b = request(list(range(400, 432)) + [3], "b")  # a hit at 32 needs positions 1..31: SWA blocks 0, 1
+    assert bm.match_prefix(b) == 32
+    assert b.block_tables["swa"][0] == a0 and a0 not in bm.pools["swa"].free
+    assert [bm.pools["swa"].ref_cnt[x] for x in b.block_tables["swa"]] == [1, 2]
+
+
+def test_all_swa_model_has_no_full_pool():
+    bm = BlockManager({"swa": 6}, BS, enable_prefix_caching=True, sliding_window=W)
+    req = request(range(10 * W))
+    for _ in range(10 * W // 16):
+        step(bm, req, 16)
+    assert len(held(req, "swa")) <= bound(16) and "full" not in req.block_tables
+    with pytest.raises(ValueError, match="sliding_window"):
+        BlockManager({"swa": 6}, BS)
