@@ -306,3 +306,35 @@ def test_help_shows_every_flag_with_its_default():
     ns = api_server.make_parser().parse_args(["--max-model-len", "None", "--no-enable-chunked-prefill", "--port", "9"])
     assert ns.max_model_len is None and ns.enable_chunked_prefill is False and ns.port == 9
     assert api_server.make_parser().parse_args(["--max-model-len", "256"]).max_model_len == 256
+
+
+def test_multi_turn_chat_keeps_hitting_with_swa_release(server, client):
+    """Each turn's prompt is the last one plus the answer and a new message: with SWA blocks
+    released during every answer (longer than W = 32), the next turn still finds the last
+    prompt's blocks, the window before the hit point included, cached."""
+    base, eng = server
+    released_before = metric(base, "swa_blocks_released_total")
+    messages = [{"role": "user", "content": "Tell me about sliding windows and caches, at length."}]
+    last_prompt = 0
+    for turn in range(5):
+        r = client.chat.completions.create(
+            model="tiny-mla-swa", messages=messages, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+        )
+        u = r.usage
+        assert u.completion_tokens == 40 and u.total_tokens == u.prompt_tokens + 40
+        cached = u.prompt_tokens_details.cached_tokens
+        if turn:
+            assert cached >= last_prompt // 16 * 16 - 32, (turn, cached, last_prompt)
+        assert cached < u.prompt_tokens
+        last_prompt = u.prompt_tokens
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": f"And turn {turn + 2}?"},
+        ]
+    assert metric(base, "swa_blocks_released_total") > released_before
+    text = httpx.get(base + "/metrics").text
+    for g in ("full", "swa"):
+        assert f'fastdeploy:kv_cache_blocks_used{{group="{g}"}} 0' in text
+        assert f'fastdeploy:kv_cache_blocks_free{{group="{g}"}} {eng.engine.block_manager.pools[g].num_blocks}' in text
+        assert f'fastdeploy:prefix_cache_hit_blocks_total{{group="{g}"}}' in text
+    assert metric(base, "kv_cache_blocks_used") == 0
