@@ -53,6 +53,7 @@ class Request:
     num_cached_tokens: int = 0
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # per KV cache group; -1 released
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    swa_released_upto: int = 0  # SWA table entries before this one are all -1
     finish_reason: str | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -157,12 +157,13 @@ class BlockManager:
         if swa is None or not self.release_swa:
             return 0
         table = self._tables(req)[SWA_GROUP]
-        released = 0
-        for j in range(min(self.first_visible_block(req.num_computed_tokens), len(table))):
+        released, end = 0, min(self.first_visible_block(req.num_computed_tokens), len(table))
+        for j in range(req.swa_released_upto, end):
             if table[j] >= 0:
                 swa.unref(table[j])
                 table[j] = -1
                 released += 1
+        req.swa_released_upto = max(req.swa_released_upto, end)
         self.swa_blocks_released += released
         return released
 
@@ -200,3 +201,4 @@ class BlockManager:
                 if b >= 0:
                     self.pools[g].unref(b)
             req.block_tables[g] = []
+        req.swa_released_upto = 0
