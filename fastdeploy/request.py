@@ -35,6 +35,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")
 
 
 @dataclass
@@ -56,12 +57,27 @@ class Request:
     swa_released_upto: int = 0  # SWA table entries before this one are all -1
     finish_reason: str | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    error: str | None = None
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
         rng = np.random.default_rng(sp.seed) if sp.seed is not None else None
-        self.sampling_state = SamplingState(sp.temperature, sp.top_p, sp.top_k, sp.logprobs, rng)
+        banned = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(self.eos_token_ids))
+        self.sampling_state = SamplingState(
+            sp.temperature,
+            sp.top_p,
+            sp.top_k,
+            sp.logprobs,
+            rng,
+            sp.presence_penalty,
+            sp.frequency_penalty,
+            sp.repetition_penalty,
+            sp.logit_bias,
+            sp.min_tokens,
+            banned,
+        )
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -76,7 +92,7 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def to_output(self) -> RequestOutput:
-        lp = self.output_logprobs if self.sampling_params.logprobs is not None else None
+        lp = list(self.output_logprobs) if self.sampling_params.logprobs is not None else None  # a snapshot
         out = CompletionOutput(0, self.output_text, list(self.output_token_ids), lp, self.finish_reason)
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, [out], self.is_finished, self.num_cached_tokens

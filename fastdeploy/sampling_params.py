@@ -1,8 +1,18 @@
-"""SamplingParams (vLLM's names and defaults)."""
+"""SamplingParams (vLLM's names and defaults). A bad value is a ValueError whose message starts
+with the field's name."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -16,23 +26,52 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.stop = list(self.stop or [])
+        self.logit_bias = dict(self.logit_bias or {})
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "must be -1 or >= 1"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an integer >= 1"),
+            ("temperature", _is_num(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
+            ("top_p", _is_num(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "must be -1 or >= 1"),
+            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64), "must be in 0..2^64-1"),
             (
                 "logprobs",
-                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                 "must be an integer in 0..20",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "must be token ids"),
+            (
+                "presence_penalty",
+                _is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            (
+                "frequency_penalty",
+                _is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+                "must be in [-2, 2]",
+            ),
+            ("repetition_penalty", _is_num(self.repetition_penalty) and self.repetition_penalty > 0, "must be > 0"),
+            (
+                "logit_bias",
+                all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+                "must map token ids to biases in [-100, 100]",
+            ),
+            (
+                "min_tokens",
+                _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                "must be an integer in 0..max_tokens",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -1,8 +1,12 @@
 """Runs an LLMEngine in its own thread so the HTTP loop never waits on a model step.
 
-HTTP handlers validate and tokenize a request in their own thread (errors surface at once), then
+HTTP handlers validate and tokenize a request off the event loop (errors surface at once), then
 hand it over through a short-lived lock; only the engine thread touches the engine's state. Each
 request's outputs arrive on an asyncio queue, fed from the engine thread through the event loop.
+
+Failures: the engine pins a failed step to its requests (their outputs carry ``error``) and keeps
+serving. If the engine thread itself dies, every waiting request gets an EngineDeadError at once,
+new ones are refused with it, and ``on_fatal`` (the server's exit) is called.
 """
 
 from __future__ import annotations
@@ -10,24 +14,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.request import RequestOutput
-from fastdeploy.sampling_params import SamplingParams
+from fastdeploy.request import Request, RequestOutput
 
 logger = logging.getLogger("fastdeploy")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; nothing more can be served."""
+
+
+class ServerDrainingError(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.pending: list = []  # requests for the engine thread to enqueue
-        self.pending_aborts: list[str] = []
+        self.pending: list[Request] = []  # requests for the engine thread to enqueue
+        self.pending_aborts: list[tuple[str, BaseException | None]] = []
         self.stopped = False
+        self.draining = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="fastdeploy-engine", daemon=True)
         self.thread.start()
@@ -36,13 +50,17 @@ class AsyncLLMEngine:
     def healthy(self) -> bool:
         return self.thread.is_alive() and self.error is None
 
-    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> asyncio.Queue:
-        """Queue a request; ValueError (naming the problem) if the engine refuses it."""
+    def add(self, req: Request) -> asyncio.Queue:
+        """Queue a request made by ``engine.make_request``; EngineDeadError / ServerDrainingError
+        when it cannot be served."""
         q: asyncio.Queue = asyncio.Queue()
-        req = self.engine.make_request(prompt, params, request_id)
         with self.lock:
+            if not self.healthy:
+                raise EngineDeadError(f"the engine stopped: {self.error!r}")
+            if self.draining:
+                raise ServerDrainingError("the server is shutting down")
             self.pending.append(req)
-            self.streams[request_id] = (asyncio.get_running_loop(), q)
+            self.streams[req.request_id] = (asyncio.get_running_loop(), q)
             self.wake.notify()
         return q
 
@@ -53,6 +71,7 @@ class AsyncLLMEngine:
             while True:
                 out = await q.get()
                 if isinstance(out, BaseException):
+                    finished = True
                     raise out
                 yield out
                 if out.finished:
@@ -62,10 +81,13 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Abort a request; with ``error``, its consumer gets that error first."""
         with self.lock:
+            if error is not None:
+                self._deliver(error, request_id)
             self.streams.pop(request_id, None)
-            self.pending_aborts.append(request_id)
+            self.pending_aborts.append((request_id, error))
             self.wake.notify()
 
     def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
@@ -80,7 +102,7 @@ class AsyncLLMEngine:
         except RuntimeError:  # the loop is gone (shutdown)
             pass
 
-    def _take_pending(self) -> tuple[list, list[str]]:
+    def _take_pending(self) -> tuple[list[Request], list[tuple[str, BaseException | None]]]:
         with self.lock:
             while not (self.stopped or self.pending or self.pending_aborts or self.engine.has_unfinished_requests()):
                 self.wake.wait(timeout=0.5)
@@ -89,27 +111,46 @@ class AsyncLLMEngine:
             return reqs, aborts
 
     def _loop(self) -> None:
-        while not self.stopped:
-            reqs, aborts = self._take_pending()
-            for req in reqs:
-                self.engine.enqueue(req)
-            for rid in aborts:
-                self.engine.abort_request(rid)
-                logger.info("aborted request %s", rid)
-            if not self.engine.has_unfinished_requests():
-                continue
-            try:
+        try:
+            while not self.stopped:
+                reqs, aborts = self._take_pending()
+                for req in reqs:
+                    self.engine.enqueue(req)
+                for rid, _ in aborts:
+                    self.engine.abort_request(rid)
+                    logger.info("aborted request %s", rid)
+                if not self.engine.has_unfinished_requests():
+                    continue
                 outs = self.engine.step()
-            except BaseException as e:  # a broken step fails its requests, not the server
-                logger.exception("engine step failed")
-                self.error = e
                 with self.lock:
-                    for rid in list(self.streams):
-                        self._deliver(RuntimeError(f"engine step failed: {e}"), rid)
-                return
+                    for out in outs:
+                        self._deliver(out, out.request_id)
+        except BaseException as e:  # noqa: BLE001 - the engine is broken: fail everyone, let the server exit
+            logger.exception("the engine thread died")
             with self.lock:
-                for out in outs:
-                    self._deliver(out, out.request_id)
+                self.error = e
+                for rid in list(self.streams):
+                    self._deliver(EngineDeadError(f"the engine stopped: {e!r}"), rid)
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    def num_in_flight(self) -> int:
+        with self.lock:
+            return len(self.streams) + len(self.pending)
+
+    def drain(self, timeout: float) -> int:
+        """Refuse new requests, let in-flight ones finish for up to ``timeout`` seconds, then abort
+        the rest with ServerDrainingError to each consumer; returns how many were aborted."""
+        with self.lock:
+            self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight() and time.monotonic() < deadline and self.healthy:
+            time.sleep(0.05)
+        with self.lock:
+            left = list(self.streams)
+        for rid in left:
+            self.abort(rid, ServerDrainingError(f"the server shut down before the request finished ({timeout:g} s)"))
+        return len(left)
 
     def shutdown(self) -> None:
         with self.lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 
 from fastdeploy.cache_manager.block_manager import BlockManager
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
@@ -62,8 +63,10 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.num_generated_tokens = 0
         self.step_listeners: list = []  # callables(request, now) for metrics
-        self.preempted_log: list[Request] = []
-        self.abort_listeners: list = []  # callables(request_id)
+        self.preempted_log: deque[Request] = deque(maxlen=256)  # the latest, for inspection
+        self.num_preemptions = 0
+        self.num_request_errors = 0
+        self.finish_listeners: list = []  # callables(request_id, reason) for aborted or failed requests
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Queue a prompt (text, or token ids). Raises ValueError naming what is wrong."""
@@ -104,8 +107,8 @@ class LLMEngine:
             req.finish_reason = "abort"
             self.scheduler.abort(req)
             req.status = req.status.FINISHED
-            for listener in self.abort_listeners:
-                listener(request_id)
+            for listener in self.finish_listeners:
+                listener(request_id, "abort")
         self.detok.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -114,11 +117,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler + model step; outputs of the requests that produced a token."""
         sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
         self.preempted_log.extend(sched.preempted)
-        results = self.runner.execute(sched.scheduled)
+        try:
+            results = self.runner.execute(sched.scheduled)
+        except Exception:  # noqa: BLE001 - pinned to requests below; the engine keeps serving
+            logger.exception("engine step of %d requests failed; retrying them one by one", len(sched.scheduled))
+            results = [self._execute_alone(req, n) for req, n in sched.scheduled]
         now = time.monotonic()
         outputs = []
         for (req, n), res in zip(sched.scheduled, results, strict=True):
+            if isinstance(res, Exception):
+                outputs.append(self._fail(req, res))
+                continue
             req.num_computed_tokens += n
             self.block_manager.cache_full_blocks(req)
             if res is None:
@@ -138,6 +149,27 @@ class LLMEngine:
                 self.detok.pop(req.request_id, None)
         return outputs
 
+    def _execute_alone(self, req: Request, n: int):
+        """One request's part of a failed step, run alone: its result, or the exception it raises.
+        Re-running writes the same KV values to the same slots, so the retry is safe."""
+        try:
+            return self.runner.execute([(req, n)])[0]
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    def _fail(self, req: Request, e: Exception) -> RequestOutput:
+        """Finish a request the engine failed on, freeing its blocks; its output carries the error."""
+        logger.error("request %s failed: %s: %s", req.request_id, type(e).__name__, e)
+        req.error = f"{type(e).__name__}: {e}"
+        req.finish_reason = "error"
+        self.scheduler.finish(req)
+        self.num_request_errors += 1
+        self.requests.pop(req.request_id, None)
+        self.detok.pop(req.request_id, None)
+        for listener in self.finish_listeners:
+            listener(req.request_id, "error")
+        return req.to_output()
+
     def _check_stop(self, req: Request) -> None:
         sp = req.sampling_params
         tok = req.output_token_ids[-1]
@@ -145,7 +177,9 @@ class LLMEngine:
         detok.update(req.output_token_ids)
         req.output_text = detok.text
         reason = None
-        if not sp.ignore_eos and tok in req.eos_token_ids:
+        if len(req.output_token_ids) < sp.min_tokens:
+            pass  # no stop condition counts before min_tokens
+        elif not sp.ignore_eos and tok in req.eos_token_ids:
             reason = "stop"
         elif tok in sp.stop_token_ids:
             reason = "stop"

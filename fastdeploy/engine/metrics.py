@@ -1,112 +1,117 @@
-"""Prometheus text metrics of the engine (no client library needed)."""
+"""Prometheus metrics of the engine, through prometheus_client (as vLLM does).
+
+Latency histograms are fed by the engine thread (``on_token``, ``on_finish``); counts the engine
+and its block manager already keep (tokens, blocks, prefix hits, preemptions) are read at scrape
+time by a collector. Each server has its own registry.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import Metric
 
 from fastdeploy.request import Request
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-class Histogram:
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.doc, self.buckets = name, doc, buckets
-        self.counts = [0] * len(buckets)
-        self.total, self.n = 0.0, 0
-
-    def observe(self, v: float) -> None:
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
-        self.total += v
-        self.n += 1
-
-    def render(self) -> list[str]:
-        out = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
-        out += [f'{self.name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)]
-        out += [
-            f'{self.name}_bucket{{le="+Inf"}} {self.n}',
-            f"{self.name}_sum {self.total}",
-            f"{self.name}_count {self.n}",
-        ]
-        return out
+def _metric(name: str, doc: str, kind: str, value: float, per_label: dict[str, float] | None = None, label: str = ""):
+    """One family: the unlabeled value (the sum where there are labels) and a sample per label value."""
+    m = Metric(f"fastdeploy:{name}", doc, kind)
+    sample = f"fastdeploy:{name}" + ("_total" if kind == "counter" else "")
+    m.add_sample(sample, {}, value)
+    for k, v in (per_label or {}).items():
+        m.add_sample(sample, {label: k}, v)
+    return m
 
 
 class EngineMetrics:
-    """Fed by the engine after each produced token (``on_token``); rendered for /metrics."""
+    """Fed by the engine after each produced token and each finished request; ``render`` gives
+    the Prometheus text of /metrics."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine) -> None:
+        self.engine = engine
         self.lock = threading.Lock()
-        self.ttft = Histogram("fastdeploy:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = Histogram("fastdeploy:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.registry = CollectorRegistry()
+        h = lambda name, doc, buckets: Histogram(  # noqa: E731
+            f"fastdeploy:{name}", doc, buckets=buckets, registry=self.registry
+        )
+        self.ttft = h("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "Arrival to last token of finished requests.", REQUEST_BUCKETS)
+        self.queue = h("request_queue_time_seconds", "Arrival to first scheduled step.", REQUEST_BUCKETS)
         self.last_token_time: dict[str, float] = {}
-        self.finished = {"stop": 0, "length": 0, "abort": 0}
+        self.finished = dict.fromkeys(FINISH_REASONS, 0)
         self.prompt_tokens = 0
+        self.registry.register(self)
 
     def on_token(self, req: Request, now: float) -> None:
         with self.lock:
             prev = self.last_token_time.get(req.request_id)
             if prev is None:
                 self.ttft.observe(now - req.arrival_time)
+                if req.first_scheduled_time is not None:
+                    self.queue.observe(req.first_scheduled_time - req.arrival_time)
                 self.prompt_tokens += len(req.prompt_token_ids)
             else:
                 self.itl.observe(now - prev)
             self.last_token_time[req.request_id] = now
-            if req.is_finished:
-                self.last_token_time.pop(req.request_id, None)
-                self.finished[req.finish_reason or "stop"] = self.finished.get(req.finish_reason or "stop", 0) + 1
+        if req.is_finished:
+            self.on_finish(req.request_id, req.finish_reason or "stop", now - req.arrival_time)
 
-    def on_abort(self, request_id: str) -> None:
+    def on_finish(self, request_id: str, reason: str, latency: float | None = None) -> None:
+        """A request ended: stop / length after its last token, abort or error at any time."""
         with self.lock:
             self.last_token_time.pop(request_id, None)
-            self.finished["abort"] += 1
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+        if latency is not None:
+            self.e2e.observe(latency)
 
-    def render(self, engine) -> str:
-        bm = engine.block_manager
-        gauges = [
-            ("num_requests_running", "Requests being computed.", len(engine.scheduler.running)),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", len(engine.scheduler.waiting)),
-            ("kv_cache_blocks_used", "KV cache blocks in use.", bm.num_used_blocks),
-            ("kv_cache_blocks_free", "KV cache blocks free.", bm.num_free_blocks),
-        ]
-        counters = [
-            ("generation_tokens_total", "Generated tokens.", engine.num_generated_tokens),
-            ("prompt_tokens_total", "Prompt tokens of requests that produced a token.", self.prompt_tokens),
-            ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", bm.prefix_queries),
-            ("prefix_cache_hits_total", "Prompt tokens served from the prefix cache.", bm.prefix_hits),
-        ]
-        counters.append(
-            ("swa_blocks_released_total", "SWA blocks released out of their window.", bm.swa_blocks_released)
-        )
-        per_group = {  # the unlabeled series above is the sum over groups
-            ("kv_cache_blocks_used", "gauge"): {g: p.num_used for g, p in bm.pools.items()},
-            ("kv_cache_blocks_free", "gauge"): {g: p.num_free for g, p in bm.pools.items()},
-        }
-        lines = []
-        for kind, rows in (("gauge", gauges), ("counter", counters)):
-            for name, doc, v in rows:
-                lines += [
-                    f"# HELP fastdeploy:{name} {doc}",
-                    f"# TYPE fastdeploy:{name} {kind}",
-                    f"fastdeploy:{name} {v}",
-                ]
-                lines += [f'fastdeploy:{name}{{group="{g}"}} {n}' for g, n in per_group.get((name, kind), {}).items()]
-        lines += [
-            "# HELP fastdeploy:prefix_cache_hit_blocks_total KV blocks reused from the prefix cache, per group.",
-            "# TYPE fastdeploy:prefix_cache_hit_blocks_total counter",
-        ]
-        lines += [
-            f'fastdeploy:prefix_cache_hit_blocks_total{{group="{g}"}} {n}' for g, n in bm.prefix_hit_blocks.items()
-        ]
-        lines += [
-            "# HELP fastdeploy:request_success_total Finished requests by reason.",
-            "# TYPE fastdeploy:request_success_total counter",
-        ]
+    def collect(self) -> Iterator[Metric]:
+        """Counts kept by the engine, read at scrape time (plain reads; a step may be mid-way)."""
+        eng, bm = self.engine, self.engine.block_manager
+        used = {g: p.num_used for g, p in bm.pools.items()}
+        free = {g: p.num_free for g, p in bm.pools.items()}
+        yield _metric("num_requests_running", "Requests being computed.", "gauge", len(eng.scheduler.running))
+        yield _metric("num_requests_waiting", "Requests waiting to be scheduled.", "gauge", len(eng.scheduler.waiting))
+        yield _metric("kv_cache_blocks_used", "KV cache blocks in use.", "gauge", sum(used.values()), used, "group")
+        yield _metric("kv_cache_blocks_free", "KV cache blocks free.", "gauge", sum(free.values()), free, "group")
+        yield _metric("generation_tokens", "Generated tokens.", "counter", eng.num_generated_tokens)
         with self.lock:
-            lines += [
-                f'fastdeploy:request_success_total{{finished_reason="{k}"}} {v}' for k, v in self.finished.items()
-            ]
-            lines += self.ttft.render() + self.itl.render()
-        return "\n".join(lines) + "\n"
+            prompt_tokens, finished = self.prompt_tokens, dict(self.finished)
+        yield _metric("prompt_tokens", "Prompt tokens of requests that produced a token.", "counter", prompt_tokens)
+        yield _metric(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter", bm.prefix_queries
+        )
+        yield _metric("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "counter", bm.prefix_hits)
+        hit_blocks = bm.prefix_hit_blocks
+        yield _metric(
+            "prefix_cache_hit_blocks",
+            "KV blocks reused from the prefix cache.",
+            "counter",
+            sum(hit_blocks.values()),
+            hit_blocks,
+            "group",
+        )
+        yield _metric(
+            "swa_blocks_released", "SWA blocks released out of their window.", "counter", bm.swa_blocks_released
+        )
+        yield _metric("num_preemptions", "Requests preempted (recomputed later).", "counter", eng.num_preemptions)
+        yield _metric("engine_errors", "Requests the engine failed on.", "counter", eng.num_request_errors)
+        yield _metric(
+            "request_success",
+            "Finished requests by reason.",
+            "counter",
+            sum(finished.values()),
+            finished,
+            "finished_reason",
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

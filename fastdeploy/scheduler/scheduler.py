@@ -6,6 +6,7 @@ freed and it is requeued at the front of the waiting queue, to be recomputed lat
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -88,6 +89,8 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))

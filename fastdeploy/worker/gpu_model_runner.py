@@ -146,19 +146,22 @@ class GPUModelRunner:
                 rows.append(req.block_tables[g])
         return self.meta_builder.build(ids, enc, dec, tables)
 
-    def execute(self, scheduled: list[tuple[Request, int]]) -> list[SampleResult | None]:
-        """Run one step; a sample for each request whose tokens are now all computed, else None."""
+    def execute(self, scheduled: list[tuple[Request, int]]) -> list[SampleResult | Exception | None]:
+        """Run one step; a sample for each request whose tokens are now all computed (or the
+        exception sampling it raised), else None. A failure of the model step itself raises."""
         if not scheduled:
             return []
         meta = self.build_meta(scheduled)
         hidden = self.model(meta, self.caches)
         samples_at = [i for i, (req, n) in enumerate(scheduled) if req.num_computed_tokens + n == req.num_tokens]
-        results: list[SampleResult | None] = [None] * len(scheduled)
+        results: list[SampleResult | Exception | None] = [None] * len(scheduled)
         if not samples_at:
             return results
         last_tok = meta.cu_seqlens_q[1:] - 1
         logits = self.model.compute_logits(hidden, paddle.to_tensor(last_tok[samples_at])).numpy()
-        states = [scheduled[i][0].sampling_state for i in samples_at]
-        for i, r in zip(samples_at, sample(np.asarray(logits), states), strict=True):
+        reqs = [scheduled[i][0] for i in samples_at]
+        states = [r.sampling_state for r in reqs]
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
+        for i, r in zip(samples_at, sample(np.asarray(logits), states, histories), strict=True):
             results[i] = r
         return results

@@ -1,42 +1,64 @@
-"""OpenAI request bodies (pydantic) and the error body."""
+"""OpenAI request bodies (pydantic, strict) and the error body.
+
+Strict: no string-to-number or number-to-bool coercion, no NaN / Infinity, and a field this
+server does not know is an error rather than silently dropped. Ranges are OpenAI's; fields vLLM
+adds (top_k, min_tokens, repetition_penalty, stop_token_ids, ignore_eos) are accepted too.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_STOP = 4  # OpenAI's limit on stop strings
+MAX_N = 64
+
 
 class StrictModel(BaseModel):
-    # a field we do not know is an error, not silently dropped
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class ResponseFormat(StrictModel):
+    type: str
+    json_schema: dict | None = None
+
+
 class SamplingFields(StrictModel):
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    # accepted only to say clearly that they are not supported
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
 
@@ -48,10 +70,10 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
 
 

@@ -1,21 +1,37 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seed, and top-N logprobs."""
+"""Sampling: penalties, logit bias, min_tokens, greedy / temperature / top-k / top-p, per-request
+seed, and top-N logprobs.
+
+Robust for every accepted parameter value: temperatures below SAMPLING_EPS act as greedy (as in
+vLLM); top-k and top-p always keep at least the arg-max; a row whose logits are not finite is an
+error for that request alone.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
 class SamplingState:
-    """What the sampler needs of one request; ``rng`` is per request so a seed reproduces."""
+    """What the sampler needs of one request; ``rng`` is per request so a seed reproduces.
+    ``min_tokens_stop_ids``: tokens banned while fewer than ``min_tokens`` are generated (EOS,
+    stop_token_ids)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     logprobs: int | None = None
     rng: np.random.Generator | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -30,37 +46,76 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum())
 
 
-def sample(logits: np.ndarray, states: list[SamplingState]) -> list[SampleResult]:
-    """logits float32 [B, vocab] (one row per request) -> a token per row.
+def top_p_mask(p: np.ndarray, top_p: float) -> np.ndarray:
+    """The smallest set of most likely tokens whose probability mass reaches top_p (ties broken
+    by token id); always at least the arg-max."""
+    order = np.argsort(-p, kind="stable")
+    keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
+    mask = np.zeros(p.shape, bool)
+    mask[order[:keep]] = True
+    return mask
 
-    Logprobs are of the model's distribution (before temperature / top-k / top-p), as vLLM
-    reports them; the chosen token is always among ``top_logprobs``."""
-    out = []
-    for row, st in zip(logits.astype(np.float64), states, strict=True):
-        logp = _log_softmax(row)
-        if st.temperature == 0.0:
-            tok = int(np.argmax(row))
-        else:
-            z = row / st.temperature
-            if 0 < st.top_k < z.size:
-                kth = np.partition(z, -st.top_k)[-st.top_k]
-                z = np.where(z >= kth, z, -np.inf)
-            p = np.exp(_log_softmax(z))
-            if st.top_p < 1.0:
-                order = np.argsort(-p, kind="stable")
-                csum = np.cumsum(p[order])
-                keep = order[: int(np.searchsorted(csum, st.top_p) + 1)]
-                mask = np.zeros_like(p, dtype=bool)
-                mask[keep] = True
-                p = np.where(mask, p, 0.0)
-                p /= p.sum()
-            rng = st.rng if st.rng is not None else np.random.default_rng()
-            tok = int(rng.choice(p.size, p=p))
-        top = None
-        if st.logprobs is not None:
-            n = min(st.logprobs, logp.size)
-            ids = np.argsort(-logp, kind="stable")[:n].tolist() if n > 0 else []
-            top = {int(i): float(logp[i]) for i in ids}
-            top[tok] = float(logp[tok])
-        out.append(SampleResult(tok, float(logp[tok]), top))
+
+def adjusted_logits(row: np.ndarray, st: SamplingState, prompt: list[int], output: list[int]) -> np.ndarray:
+    """float64 logits after repetition / presence / frequency penalties, logit bias and min_tokens.
+    Repetition (vLLM / HF): a seen token's logit is divided by it when positive, multiplied when
+    not. Presence and frequency (OpenAI): minus presence once and frequency per occurrence in the
+    output."""
+    z = row.copy()
+    if st.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(prompt + output, np.int64))
+        z[seen] = np.where(z[seen] > 0, z[seen] / st.repetition_penalty, z[seen] * st.repetition_penalty)
+    if output and (st.presence_penalty or st.frequency_penalty):
+        ids, counts = np.unique(np.asarray(output, np.int64), return_counts=True)
+        z[ids] -= st.presence_penalty + st.frequency_penalty * counts
+    for t, bias in st.logit_bias.items():
+        z[t] += bias
+    if len(output) < st.min_tokens and st.min_tokens_stop_ids:
+        z[list(st.min_tokens_stop_ids)] = -np.inf
+    return z
+
+
+def sample_one(row: np.ndarray, st: SamplingState, prompt: list[int], output: list[int]) -> SampleResult:
+    """row float64 [vocab] -> a token. Logprobs are of the model's distribution (before penalties,
+    temperature, top-k and top-p), as vLLM reports them; the chosen token is always among them."""
+    if not np.isfinite(row).all():
+        raise ValueError("the model's logits for this request are not finite")
+    logp = _log_softmax(row)
+    z = adjusted_logits(row, st, prompt, output)
+    if st.temperature < SAMPLING_EPS:
+        tok = int(np.argmax(z))
+    else:
+        z = z / st.temperature
+        if 0 < st.top_k < z.size:
+            kth = np.partition(z, -st.top_k)[-st.top_k]
+            z = np.where(z >= kth, z, -np.inf)
+        p = np.exp(_log_softmax(z))
+        if st.top_p < 1.0:
+            p = np.where(top_p_mask(p, st.top_p), p, 0.0)
+            p /= p.sum()
+        rng = st.rng if st.rng is not None else np.random.default_rng()
+        tok = int(rng.choice(p.size, p=p))
+    top = None
+    if st.logprobs is not None:
+        n = min(st.logprobs, logp.size)
+        ids = np.argsort(-logp, kind="stable")[:n].tolist() if n > 0 else []
+        top = {int(i): float(logp[i]) for i in ids}
+        top[tok] = float(logp[tok])
+    return SampleResult(tok, float(logp[tok]), top)
+
+
+def sample(
+    logits: np.ndarray,
+    states: list[SamplingState],
+    histories: list[tuple[list[int], list[int]]] | None = None,
+) -> list[SampleResult | Exception]:
+    """logits float32 [B, vocab] (one row per request), each request's (prompt, output) token ids
+    -> a token per row, or the exception that sampling that row raised (it fails that request only)."""
+    histories = histories or [([], [])] * len(states)
+    out: list[SampleResult | Exception] = []
+    for row, st, (prompt, output) in zip(logits.astype(np.float64), states, histories, strict=True):
+        try:
+            out.append(sample_one(row, st, prompt, output))
+        except Exception as e:  # noqa: BLE001 - handed to the engine, which fails this request
+            out.append(e)
     return out

@@ -1,0 +1,67 @@
+"""A pure ASGI middleware in front of the app: the API key and the request-body limit.
+
+Pure ASGI (not Starlette's BaseHTTPMiddleware, which hides ``http.disconnect`` from handlers),
+so a client that goes away is still seen by the request it left. /health and /metrics stay open;
+/v1/*, /docs, /redoc and /openapi.json need the key when one is set. A body over ``max_bytes`` gets
+413 at once when Content-Length says so, else as soon as that many bytes have arrived.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastdeploy.entrypoints.openai.protocol import error_body
+
+KEYED = ("/v1", "/docs", "/redoc", "/openapi.json")
+
+
+class BodyTooLarge(BaseException):  # BaseException: FastAPI's body parser catches Exception
+    pass
+
+
+class Guard:
+    def __init__(self, app, api_key: str | None, max_bytes: int) -> None:
+        self.app, self.api_key, self.max_bytes = app, api_key, max_bytes
+
+    async def _reply(self, send, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope["path"].startswith(KEYED):
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                msg = error_body("invalid or missing API key", kind="authentication_error")
+                return await self._reply(send, 401, msg)
+        too_large = error_body(
+            f"request body over the {self.max_bytes}-byte limit (--max-request-bytes)", kind="invalid_request_error"
+        )
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reply(send, 413, too_large)
+        seen = 0
+        started = False
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge
+            return msg
+
+        async def tracked_send(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except BodyTooLarge:
+            if not started:
+                await self._reply(send, 413, too_large)
