@@ -95,5 +95,11 @@ class Request:
         lp = list(self.output_logprobs) if self.sampling_params.logprobs is not None else None  # a snapshot
         out = CompletionOutput(0, self.output_text, list(self.output_token_ids), lp, self.finish_reason)
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, [out], self.is_finished, self.num_cached_tokens
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [out],
+            self.is_finished,
+            self.num_cached_tokens,
+            self.error,
         )

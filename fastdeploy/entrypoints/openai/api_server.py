@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy.engine.args import EngineArgs, add_dataclass_args, setting
 from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError, ServerDrainingError
@@ -449,9 +450,9 @@ def build_app(
         err = e.errors()[0]
         kind = err.get("type", "")
         if kind == "json_invalid":
-            ctx = err.get("ctx") or {}
-            where = f" at {ctx['error']}" if "error" in ctx else ""
-            return JSONResponse(error_body(f"body: invalid JSON{where}", "body"), status_code=400)
+            pos = err.get("loc", ["body", "?"])[-1]
+            why = (err.get("ctx") or {}).get("error", "")
+            return JSONResponse(error_body(f"body: invalid JSON at character {pos}: {why}", "body"), status_code=400)
         loc = [str(x) for x in err.get("loc", []) if x != "body"]
         # a union's branch names (str, list[int] ...) are not fields
         loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool")]
@@ -461,9 +462,11 @@ def build_app(
             msg = "unknown field (not supported by this server)"
         return JSONResponse(error_body(f"{field}: {msg}", field), status_code=400)
 
-    @app.exception_handler(UnicodeDecodeError)
-    async def bad_utf8(_: Request, e: UnicodeDecodeError):
-        return JSONResponse(error_body(f"body: invalid UTF-8 at byte {e.start}", "body"), status_code=400)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        if e.status_code == 400:  # FastAPI could not decode the body (e.g. not UTF-8)
+            return JSONResponse(error_body(f"body: {e.detail} (JSON in UTF-8 expected)", "body"), status_code=400)
+        return JSONResponse(error_body(str(e.detail)), status_code=e.status_code)
 
     @app.post("/v1/completions")
     async def completions(http: Request, body: CompletionRequest):

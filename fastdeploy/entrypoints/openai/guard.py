@@ -37,9 +37,7 @@ class Guard:
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
                 msg = error_body("invalid or missing API key", kind="authentication_error")
                 return await self._reply(send, 401, msg)
-        too_large = error_body(
-            f"request body over the {self.max_bytes}-byte limit (--max-request-bytes)", kind="invalid_request_error"
-        )
+        too_large = error_body(f"body: over the {self.max_bytes}-byte limit (--max-request-bytes)", "body")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await self._reply(send, 413, too_large)

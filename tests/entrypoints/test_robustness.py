@@ -1,0 +1,422 @@
+"""The server never goes down: a fuzz corpus of bad requests, a request the engine fails, clients
+that disconnect, a dead engine, raw SSE, n samples and batched prompts (live server on loopback)."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from fastdeploy.engine.args import EngineArgs
+from fastdeploy.engine.async_engine import AsyncLLMEngine
+from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.entrypoints.openai import api_server
+
+ENGINE = dict(
+    model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=200, max_model_len=256, enable_prefix_caching=True
+)
+LIMIT = 64 * 1024
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(eng: AsyncLLMEngine, **kw):
+    app = api_server.build_app(eng, "tiny-mla-swa", **kw)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", srv, th
+
+
+@pytest.fixture(scope="module")
+def live():
+    eng = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE)))
+    base, srv, th = serve(eng, max_request_bytes=LIMIT)
+    yield base, eng
+    srv.should_exit = True
+    th.join(timeout=10)
+    eng.shutdown()
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(f"fastdeploy:{name} ") or line.startswith(f"fastdeploy:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_idle(base: str, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metric(base, "num_requests_running") == 0 and metric(base, "kv_cache_blocks_used") == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("requests still hold KV blocks")
+
+
+GREEDY = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+
+
+def greedy_text(base: str) -> list[int]:
+    r = httpx.post(base + CMPL, json={**GREEDY, "logprobs": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["tokens"]
+
+
+# ---------------------------------------------------------------- the fuzz corpus
+
+BAD = {  # field -> values that must be a 400 naming that field (completions)
+    "prompt": [5, None, True, [1.5], [["a"]], {}, [-1], [10**9], [], [[]], [1, "a"]],
+    "max_tokens": ["16", True, 0, -1, 1.5, 10**6, [16]],
+    "temperature": ["1", True, -0.1, 2.5, None, [1], {"x": 1}],
+    "top_p": [0, -1, 1.01, "0.5", True, None],
+    "top_k": [-2, 0, 1.5, "5", True],
+    "seed": ["1", 1.5, True, 2**64, -(2**63) - 1],
+    "stop": [5, [1], ["a", "b", "c", "d", "e"], [""], {"a": 1}, [None]],
+    "stop_token_ids": [[-1], [100000], "1", [1.5], 3],
+    "n": [0, 65, "2", True, 1.5],
+    "presence_penalty": [2.5, -3, "0", True],
+    "frequency_penalty": [2.5, -3, "0", None],
+    "repetition_penalty": [0, -1, 11, "1"],
+    "logit_bias": [{"abc": 1}, {"99999": 1}, {"5": 101}, {"5": "1"}, [1], {"5": -100.5}],
+    "min_tokens": [-1, "1", 1.5, 100],
+    "logprobs": [-1, 21, "1", True, 2.5],
+    "echo": ["yes", True, 1],
+    "stream": ["true", 1],
+    "stream_options": [{"include_usage": "yes"}, {"bogus": 1}, {"include_usage": True}, "x"],
+    "ignore_eos": ["no", 0],
+    "user": [5, ["u"]],
+    "response_format": [{"type": "json_object"}, "text", {"type": "json_schema", "json_schema": {}}, {"kind": "text"}],
+    "tools": [[{"type": "function", "function": {"name": "f"}}]],
+    "tool_choice": ["auto"],
+    "functions": [[{"name": "f"}]],
+    "model": [5, "gpt-4"],
+    "bogus": [1],
+    "best_of": [2],
+    "suffix": ["x"],
+}
+BAD_CHAT = {
+    "messages": [
+        [],
+        "hi",
+        [{"role": "robot", "content": "x"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        [{"role": "user", "content": "x", "extra": 1}],
+        [{"content": "x"}],
+    ],
+    "max_completion_tokens": [0, "5"],
+    "top_logprobs": [21, 3],  # 3 without logprobs=true
+    "logprobs": ["true"],
+    "add_generation_prompt": ["yes"],
+}
+DEGENERATE_OK = [  # valid, extreme sampling values: 200 with exact token counts
+    {"temperature": 1e-310},
+    {"temperature": 0, "top_p": 1e-9},
+    {"temperature": 2, "top_k": 1},
+    {"temperature": 1e-6, "top_k": 1, "top_p": 1e-300},
+    {"logprobs": 0},
+    {"logprobs": 20},
+    {"repetition_penalty": 10},
+    {"repetition_penalty": 0.01},
+    {"presence_penalty": -2, "frequency_penalty": 2},
+    {"seed": -1},
+    {"seed": 2**64 - 1},
+    {"min_tokens": 4, "max_tokens": 4},
+    {"response_format": {"type": "text"}},
+    {"user": "someone", "n": 2},
+    {"stop": ["a", "b", "c", "d"], "min_tokens": 4},  # min_tokens: no stop before 4 tokens
+    {"stop_token_ids": [0, 1, 2], "min_tokens": 4},
+    {"top_k": 100000},
+]
+
+
+def corpus() -> list[tuple[str, object, int, str | None]]:
+    """(path, body as JSON-able or raw bytes, status, field) cases."""
+    cases = []
+    for field, values in BAD.items():
+        status = 404 if field == "model" else 400
+        for v in values:
+            body = {"prompt": "hi", "max_tokens": 2, field: v}
+            if field == "model" and v == 5:
+                cases.append((CMPL, body, 400, field))
+                continue
+            if field == "stream_options" and v == {"include_usage": True}:
+                pass  # valid alone, but only with stream=true: still a 400 on stream_options
+            cases.append((CMPL, body, status, field))
+    for field, values in BAD_CHAT.items():
+        for v in values:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: v}
+            cases.append((CHAT, body, 400, "messages" if field == "messages" else field))
+    for extra in DEGENERATE_OK:
+        cases.append((CMPL, {"prompt": "hi", "max_tokens": 4, "ignore_eos": True, **extra}, 200, None))
+        chat = dict(extra)
+        if "logprobs" in chat:  # chat's logprobs is a bool, the count is top_logprobs
+            chat["top_logprobs"], chat["logprobs"] = chat["logprobs"], True
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True, **chat}
+        cases.append((CHAT, body, 200, None))
+    raw = [  # bodies that are not valid JSON text, or not valid Unicode
+        (b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+        (b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+        (b'{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+        (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "body"),
+        (b'{"prompt": "caf\xc3", "max_tokens": 2}', "body"),
+        (b'{"prompt": ', "body"),
+        (b'{"prompt": "hi",}', "body"),
+        (b"[1, 2]", "body"),
+        (b"null", "body"),
+        (b"", "body"),
+        (b'{"prompt": "hi", "max_tokens": NaN}', "max_tokens"),
+        (b'{"prompt": "hi", "temperature": Infinity}', "temperature"),
+        (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    ]
+    cases += [(CMPL, body, 400, field) for body, field in raw]
+    chat_surrogate = b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'
+    cases.append((CHAT, chat_surrogate, 400, "messages"))
+    big = json.dumps({"prompt": "x" * (LIMIT + 10)}).encode()
+    cases += [(CMPL, big, 413, "body"), (CHAT, big, 413, "body")]
+    return cases
+
+
+def send(base: str, path: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(base + path, content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    return httpx.post(base + path, json=body, timeout=60)
+
+
+def test_fuzz_corpus_never_stops_the_server(live):
+    base, eng = live
+    before = greedy_text(base)
+    cases = corpus()
+    assert len(cases) >= 150
+    for path, body, status, field in cases:
+        r = send(base, path, body)
+        assert r.status_code == status, (path, body, r.status_code, r.text)
+        if status >= 400:
+            err = r.json().get("error")
+            assert err and err["param"] and (err["param"] == field or err["param"].startswith(field + ".")), (body, err)
+            assert err["param"] in err["message"], err
+        else:
+            out = r.json()
+            n = body.get("n", 1)
+            assert len(out["choices"]) == n and out["usage"]["completion_tokens"] == 4 * n
+    chunked = httpx.post(base + CMPL, content=iter([b'{"prompt": "', b"x" * LIMIT, b'"}']), timeout=60)
+    assert chunked.status_code == 413  # no Content-Length: cut off as the bytes arrive
+    assert eng.healthy and httpx.get(base + "/health").status_code == 200
+    assert greedy_text(base) == before  # the same greedy tokens as before the corpus
+    wait_idle(base)
+
+
+def test_degenerate_sampling_values_are_greedy_or_bounded(live):
+    base, _ = live
+    want = greedy_text(base)
+    for extra in ({"temperature": 1e-310}, {"temperature": 1.5, "top_p": 1e-12}, {"temperature": 2.0, "top_k": 1}):
+        r = httpx.post(base + CMPL, json={**GREEDY, "logprobs": 0, **extra}, timeout=60)
+        assert r.json()["choices"][0]["logprobs"]["tokens"] == want, extra
+    r = httpx.post(base + CMPL, json={**GREEDY, "temperature": 1.0, "logit_bias": {"65": 100}, "logprobs": 0})
+    assert r.status_code == 200
+    tokens = r.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 8 and len(set(tokens)) == 1  # +100 on one token: it is always drawn
+
+
+# ---------------------------------------------------------------- failures pinned to requests
+
+
+def test_engine_step_failure_fails_only_its_request(live):
+    base, eng = live
+    runner = eng.engine.runner
+    inner = runner.execute
+    marker = 499  # a token id only the poisoned prompt contains
+
+    def execute(scheduled):
+        if any(marker in req.prompt_token_ids for req, _ in scheduled):
+            raise RuntimeError("injected step failure")
+        return inner(scheduled)
+
+    runner.execute = execute
+    try:
+        want = {
+            i: httpx.post(base + CMPL, json={"prompt": [5, 6, 7 + i], "max_tokens": 6, "temperature": 0}).json()
+            for i in range(3)
+        }
+        errors_before = metric(base, "engine_errors_total")
+
+        async def run():
+            async with httpx.AsyncClient(timeout=60) as c:
+                good = [
+                    c.post(base + CMPL, json={"prompt": [5, 6, 7 + i], "max_tokens": 6, "temperature": 0})
+                    for i in range(3)
+                ]
+                bad = c.post(base + CMPL, json={"prompt": [5, marker, 9], "max_tokens": 6})
+                return await asyncio.gather(bad, *good)
+
+        bad, *good = asyncio.run(run())
+        assert bad.status_code == 500 and "injected step failure" in bad.json()["error"]["message"], bad.text
+        for i, r in enumerate(good):
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[i]["choices"][0]["text"]
+        assert metric(base, "engine_errors_total") == errors_before + 1
+        assert eng.healthy
+    finally:
+        runner.execute = inner
+    wait_idle(base)
+
+
+def test_dead_engine_answers_503_at_once_and_calls_on_fatal():
+    fatal = threading.Event()
+    eng = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE)), on_fatal=fatal.set)
+    base, srv, th = serve(eng)
+    try:
+        sched = eng.engine.scheduler
+        inner = sched.schedule
+        calls = []
+
+        def schedule():
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("scheduler bug")  # outside the per-request isolation
+            return inner()
+
+        sched.schedule = schedule
+        r = httpx.post(base + CMPL, json={"prompt": "hi", "max_tokens": 50, "ignore_eos": True}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert fatal.wait(5) and not eng.healthy
+        assert httpx.get(base + "/health").status_code == 503
+        t0 = time.time()
+        r = httpx.post(base + CMPL, json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and time.time() - t0 < 5
+        r = httpx.post(base + CMPL, json={"prompt": "hi", "max_tokens": 2, "stream": True}, timeout=30)
+        assert r.status_code == 503
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+        eng.shutdown()
+
+
+# ---------------------------------------------------------------- disconnects
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_aborts_and_frees_blocks(live, stream):
+    base, _ = live
+    wait_idle(base)
+    aborts = metric(base, 'request_success_total{finished_reason="abort"}')
+    body = {"prompt": "tell me a long story", "max_tokens": 200, "ignore_eos": True, "stream": stream}
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            task = asyncio.ensure_future(c.post(base + CMPL, json=body))
+            deadline = time.time() + 20
+            while metric(base, "kv_cache_blocks_used") == 0 and time.time() < deadline:
+                await asyncio.sleep(0.02)
+            task.cancel()  # the client goes away mid-request
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    asyncio.run(go())
+    wait_idle(base, timeout=10)
+    assert metric(base, 'request_success_total{finished_reason="abort"}') == aborts + 1
+    assert metric(base, "generation_tokens_total") >= 0
+
+
+# ---------------------------------------------------------------- the wire format
+
+
+def sse_events(base: str, path: str, body: dict) -> list:
+    with httpx.stream("POST", base + path, json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = "".join(r.iter_text())
+    blocks = raw.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]"
+    events = []
+    for b in blocks[:-2]:
+        assert b.startswith("data: ")
+        events.append(json.loads(b[len("data: ") :]))
+    return events
+
+
+def test_raw_sse_usage_and_cached_tokens(live):
+    base, _ = live
+    prompt = [int(x) for x in range(40, 40 + 70)]
+    body = {
+        "prompt": prompt,
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    for attempt in range(2):  # the second time, the prompt's 4 full blocks are a prefix hit
+        events = sse_events(base, CMPL, body)
+        usage = events[-1]["usage"]
+        assert events[-1]["choices"] == [] and all("usage" not in e for e in events[:-1])
+        text_events = events[:-1]
+        assert text_events[-1]["choices"][0]["finish_reason"] == "length"
+        assert usage["prompt_tokens"] == 70 and usage["completion_tokens"] == 5 and usage["total_tokens"] == 75
+        assert usage["prompt_tokens_details"]["cached_tokens"] == (64 if attempt else 0)
+    chat = sse_events(
+        base,
+        CHAT,
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        },
+    )
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chat[-1]["usage"]["completion_tokens"] == 3
+    wait_idle(base)
+
+
+def test_n_samples_reproduce_and_batched_prompts_keep_order(live):
+    base, _ = live
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "n": 3, "seed": 11, "temperature": 1.0}
+    a, b = (httpx.post(base + CMPL, json=body, timeout=60).json() for _ in range(2))
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    assert len({c["text"] for c in a["choices"]}) > 1  # independent samples
+    assert a["usage"]["completion_tokens"] == 18 and a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+    prompts = ["alpha", [5, 6, 7], "gamma"]
+    alone = [httpx.post(base + CMPL, json={"prompt": p, "max_tokens": 4, "temperature": 0}).json() for p in prompts]
+    batch = httpx.post(base + CMPL, json={"prompt": prompts[::2], "max_tokens": 4, "temperature": 0}).json()
+    assert [c["text"] for c in batch["choices"]] == [alone[0]["choices"][0]["text"], alone[2]["choices"][0]["text"]]
+    ids = httpx.post(base + CMPL, json={"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4, "temperature": 0}).json()
+    assert ids["choices"][0]["text"] == alone[1]["choices"][0]["text"] and len(ids["choices"]) == 2
+    assert ids["usage"]["prompt_tokens"] == 5
+    streamed = sse_events(base, CMPL, {**body, "stream": True})
+    texts = {}
+    for e in streamed:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(3)] == [c["text"] for c in a["choices"]]
+    wait_idle(base)
+
+
+def test_stop_strings_never_reach_the_client(live):
+    base, _ = live
+    free = httpx.post(base + CMPL, json={"prompt": "hello", "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+    text = free.json()["choices"][0]["text"]
+    stop = text[5:8]  # a string the greedy output contains, after some text
+    assert len(stop) == 3 and stop in text
+    body = {"prompt": "hello", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    plain = httpx.post(base + CMPL, json=body).json()["choices"][0]
+    assert plain["finish_reason"] == "stop" and stop not in plain["text"] and text.startswith(plain["text"])
+    streamed = "".join(e["choices"][0]["text"] for e in sse_events(base, CMPL, {**body, "stream": True}))
+    assert streamed == plain["text"]
+    wait_idle(base)

@@ -1,0 +1,132 @@
+"""The server as a process: bounded shutdown on SIGTERM, a second signal, and a non-zero exit when
+the engine thread dies. Every process is killed at the end, whatever happens."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+FLAGS = ["--block-size", "16", "--max-model-len", "512", "--num-gpu-blocks-override", "64", "--log-level", "warning"]
+# a scheduler that breaks on its 5th call: outside the per-request isolation, so the engine thread dies
+DYING = (
+    "import sys\n"
+    "from fastdeploy.scheduler.scheduler import Scheduler\n"
+    "inner, calls = Scheduler.schedule, []\n"
+    "def schedule(self):\n"
+    "    calls.append(1)\n"
+    "    if len(calls) > 4:\n"
+    "        raise RuntimeError('scheduler bug')\n"
+    "    return inner(self)\n"
+    "Scheduler.schedule = schedule\n"
+    "from fastdeploy.entrypoints.openai.api_server import main\n"
+    "main(sys.argv[1:])\n"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra: str, code: str | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        head = ["-c", code] if code else ["-m", "fastdeploy.entrypoints.openai.api_server"]
+        cmd = [sys.executable, *head, "--port", str(self.port), *FLAGS, *extra]
+        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.base + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+            assert self.p.poll() is None, self.p.stderr.read()
+        raise AssertionError("server did not start")
+
+    def stream_in_background(self, n: int, max_tokens: int) -> list[dict]:
+        """n streaming requests in threads; each records its events and whether [DONE] came."""
+        results = [{"events": [], "done": False} for _ in range(n)]
+
+        def run(res):
+            body = {"prompt": "go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", self.base + "/v1/completions", json=body, timeout=120) as r:
+                    res["status"] = r.status_code
+                    for line in r.iter_lines():
+                        if line == "data: [DONE]":
+                            res["done"] = True
+                        elif line.startswith("data: "):
+                            res["events"].append(json.loads(line[6:]))
+            except httpx.HTTPError as e:
+                res["transport_error"] = repr(e)
+
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in results]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 30
+        while sum(len(r["events"]) for r in results) < n and time.time() < deadline:
+            time.sleep(0.05)  # every stream has started
+        self.threads = threads
+        return results
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(timeout=30)
+
+
+@pytest.fixture
+def servers():
+    made = []
+    yield lambda *a, **k: made.append(Server(*a, **k)) or made[-1]
+    for s in made:
+        s.close()
+
+
+def test_sigterm_drains_then_aborts_with_an_error_and_exits_zero(servers):
+    s = servers("--shutdown-timeout", "2")
+    short = s.stream_in_background(1, max_tokens=20)
+    long = s.stream_in_background(2, max_tokens=450)
+    t0 = time.time()
+    s.p.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    refused = httpx.post(s.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+    assert httpx.get(s.base + "/health").status_code == 503
+    assert s.p.wait(timeout=30) == 0
+    took = time.time() - t0
+    assert took < 2 + 10, took  # the drain limit, then a quick exit
+    for t in s.threads:
+        t.join(timeout=10)
+    assert short[0]["done"] and short[0]["events"][-1]["choices"][0]["finish_reason"] == "length"
+    for r in long:  # cut at the limit with a clean error event, then [DONE]
+        assert r["done"] and "error" in r["events"][-1], r
+        assert "shut down" in r["events"][-1]["error"]["message"]
+
+
+def test_second_signal_exits_at_once(servers):
+    s = servers("--shutdown-timeout", "60")
+    s.stream_in_background(2, max_tokens=450)
+    s.p.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert s.p.poll() is None  # draining: up to 60 s
+    t0 = time.time()
+    s.p.send_signal(signal.SIGINT)
+    assert s.p.wait(timeout=10) == 0 and time.time() - t0 < 10
+    assert "Traceback" not in s.p.stderr.read()
+
+
+def test_dead_engine_exits_non_zero(servers):
+    s = servers(code=DYING)
+    r = httpx.post(s.base + "/v1/completions", json={"prompt": "go", "max_tokens": 50, "ignore_eos": True}, timeout=30)
+    assert r.status_code == 503
+    assert s.p.wait(timeout=30) == 1
