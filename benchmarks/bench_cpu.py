@@ -145,7 +145,7 @@ def server() -> dict:
         return ttft, time.perf_counter() - t0
 
     res = {}
-    for conc in (1, 16):
+    for conc in (1, 32):
         t = time.perf_counter()
         with ThreadPoolExecutor(conc) as ex:
             runs = list(ex.map(one, range(conc)))
@@ -154,15 +154,30 @@ def server() -> dict:
             "output_tokens_per_s": conc * 64 / wall,
             "ttft_median_s": statistics.median(r[0] for r in runs),
         }
-    proc.terminate()
-    proc.wait()
+    # SIGTERM with 32 streams in flight: the time until the process has exited
+    with ThreadPoolExecutor(32) as ex:
+        futures = [ex.submit(one, i) for i in range(32)]
+        time.sleep(1.0)
+        t = time.perf_counter()
+        proc.terminate()
+        proc.wait()
+        res["sigterm_to_exit_s_with_32_in_flight"] = time.perf_counter() - t
+        for f in futures:
+            f.exception()
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default="bench_cpu.json")
+    ap.add_argument("--server-only", action="store_true", help="only the server at 1 and 32 clients")
     args = ap.parse_args()
+    if args.server_only:
+        res = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "server": server()}
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        print_server(res["server"])
+        return
     res = {
         "date": time.strftime("%Y-%m-%d"),
         "cpus": os.cpu_count(),
@@ -176,8 +191,17 @@ def main() -> None:
         print(f"{o['op']:26} {o['case']:18} {o['ms']:9.2f} ms")
     for k, v in res["model"].items():
         print(f"{k:30} {v:9.1f}")
-    for k, v in res["server"].items():
-        print(f"server {k:10} {v['output_tokens_per_s']:8.1f} tok/s   TTFT median {v['ttft_median_s'] * 1e3:7.1f} ms")
+    print_server(res["server"])
+
+
+def print_server(res: dict) -> None:
+    for k, v in res.items():
+        if isinstance(v, dict):
+            print(
+                f"server {k:10} {v['output_tokens_per_s']:8.1f} tok/s   TTFT median {v['ttft_median_s'] * 1e3:7.1f} ms"
+            )
+        else:
+            print(f"server {k} {v:.2f}")
 
 
 if __name__ == "__main__":
