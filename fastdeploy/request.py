@@ -60,6 +60,7 @@ class Request:
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     error: str | None = None
+    prefill_after: Request | None = None  # an earlier sample of the same prompt (prefix sharing)
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
@@ -82,6 +83,10 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

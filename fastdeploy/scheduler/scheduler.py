@@ -1,5 +1,6 @@
 """Continuous batching: each step runs every running request (decodes first, then continuing
-prefill chunks), then admits waiting requests, all within ``max_num_batched_tokens`` and
+prefill chunks), then admits waiting requests in arrival order (samples 2..n of one prompt wait
+for the first to compute the prompt), all within ``max_num_batched_tokens`` and
 ``max_num_seqs``. When blocks run out, the newest running request is preempted: its blocks are
 freed and it is requeued at the front of the waiting queue, to be recomputed later.
 """
@@ -73,8 +74,14 @@ class Scheduler:
                 out.scheduled.append((req, n))
                 budget -= n
         budget = self.config.max_num_batched_tokens - out.num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if out.preempted:
+                break
+            req = self.waiting[i]
+            if self._waits_for_sibling(req):
+                i += 1
+                continue
             cached = self.bm.match_prefix(req)
             req.num_computed_tokens = cached
             req.num_cached_tokens = max(req.num_cached_tokens, cached)
@@ -88,7 +95,7 @@ class Scheduler:
                 self.bm.free_request(req)
                 req.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
@@ -96,6 +103,13 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
         return out
+
+    @staticmethod
+    def _waits_for_sibling(req: Request) -> bool:
+        """A sample of an n > 1 request starts once its first sample has computed the prompt, so
+        the prefix cache gives it the prompt's blocks instead of computing them again."""
+        first = req.prefill_after
+        return first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens
 
     def finish(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED

@@ -420,3 +420,20 @@ def test_stop_strings_never_reach_the_client(live):
     streamed = "".join(e["choices"][0]["text"] for e in sse_events(base, CMPL, {**body, "stream": True}))
     assert streamed == plain["text"]
     wait_idle(base)
+
+
+def test_n_samples_share_the_prompt_blocks(live):
+    base, _ = live
+    wait_idle(base)
+    prompt = [int(x) for x in range(100, 170)]  # 70 tokens: 4 full blocks of 16
+    hits = metric(base, "prefix_cache_hits_total")
+    body = {"prompt": prompt, "max_tokens": 5, "n": 3, "seed": 4, "temperature": 1.0, "ignore_eos": True}
+    r = httpx.post(base + CMPL, json=body, timeout=60).json()
+    assert len(r["choices"]) == 3 and r["usage"]["completion_tokens"] == 15 and r["usage"]["prompt_tokens"] == 70
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # samples 2 and 3 reuse the first's blocks
+    assert metric(base, "prefix_cache_hits_total") == hits + 2 * 64
+    alone = [
+        httpx.post(base + CMPL, json={**body, "n": 1, "seed": 4 + k}).json()["choices"][0]["text"] for k in range(3)
+    ]
+    assert [c["text"] for c in r["choices"]] == alone  # sample k is the request with seed + k
+    wait_idle(base)

@@ -78,6 +78,7 @@ class OpenAIServer:
         self.tokenizer = engine.engine.tokenizer
         self.vocab_size = engine.engine.config.model_config.vocab_size
         self.max_model_len = engine.engine.config.scheduler_config.max_model_len
+        self.prefix_caching = engine.engine.config.cache_config.enable_prefix_caching
         self.created = int(time.time())
 
     # ------------------------------------------------------------ requests -> engine (off the event loop)
@@ -179,9 +180,12 @@ class OpenAIServer:
             for k in range(body.n):
                 params = self._params(body, max_tokens, logprobs, len(ids), k)
                 try:
-                    row.append(self.engine.engine.make_request(ids, params, f"{rid}-{i}-{k}"))
+                    req = self.engine.engine.make_request(ids, params, f"{rid}-{i}-{k}")
                 except ValueError as e:
                     raise APIError(400, str(e), _param_of(str(e))) from None
+                if row and self.prefix_caching:  # share the prompt's blocks through the prefix cache
+                    req.prefill_after = row[0]
+                row.append(req)
             out.append(row)
         return out
 
