@@ -32,7 +32,9 @@ class Tokenizer:
         return self.tok.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        """Token ids. encode_batch, unlike encode, releases the GIL while it works, so a huge prompt
+        tokenized in a worker thread does not stall the server's event loop."""
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and not text.startswith(self.bos_token):
             ids = [self.bos_token_id] + ids
         return ids

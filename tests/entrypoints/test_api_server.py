@@ -338,3 +338,37 @@ def test_multi_turn_chat_keeps_hitting_with_swa_release(server, client):
         assert f'fastdeploy:kv_cache_blocks_free{{group="{g}"}} {eng.engine.block_manager.pools[g].num_blocks}' in text
         assert f'fastdeploy:prefix_cache_hit_blocks_total{{group="{g}"}}' in text
     assert metric(base, "kv_cache_blocks_used") == 0
+
+
+def test_huge_prompt_does_not_stall_the_event_loop(server):
+    """A 4 MB prompt (under the 16 MiB body limit) tokenizes in a worker thread without holding
+    the GIL: /health answers promptly meanwhile, and the prompt gets a 400 for its length."""
+    base, _ = server
+    result = {}
+
+    def big():
+        body = {"prompt": "hello world " * 350_000, "max_tokens": 2}
+        result["r"] = httpx.post(
+            base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+        )
+
+    th = threading.Thread(target=big)
+    th.start()
+    worst = 0.0
+    while th.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(base + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.02)
+    th.join()
+    r = result["r"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert worst < 1.0, worst
+
+
+def test_docs_follow_the_key_health_and_metrics_stay_open(server):
+    base, _ = server
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert httpx.get(base + path).status_code == 401
+        assert httpx.get(base + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(base + "/health").status_code == 200 and httpx.get(base + "/metrics").status_code == 200
