@@ -112,45 +112,24 @@ def test_20w_generation_stays_within_the_bound(rng):
     watch.assert_all_free()
 
 
-def test_preemption_when_only_the_swa_pool_is_short(rng):
-    ps = prompts(rng, [16, 16, 16, 16])
+@pytest.mark.parametrize(
+    "lens, full, ratio, chunk, pools",
+    [
+        # full pool roomy; SWA pool 5 blocks: all four are admitted with a block each, and a
+        # decode past position 32 holds 3
+        ([16, 16, 16, 16], 100, 0.05, 16, {"full": 100, "swa": 5}),
+        # both short: 12 full blocks for 4 x 100 tokens, 6 SWA blocks
+        ([40, 35, 45, 40], 12, 0.5, 32, {"full": 12, "swa": 6}),
+    ],
+)
+def test_preemption_when_pools_are_short(rng, lens, full, ratio, chunk, pools):
+    ps = prompts(rng, lens)
     sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     big = LLM(model="tiny-mla-swa", block_size=BS, num_gpu_blocks_override=200, max_model_len=150)
     want = [o.outputs[0].token_ids for o in big.generate(ps, sp)]
-    # full pool roomy (100 blocks); SWA pool 5 blocks: all four are admitted with a block each, and
-    # a decode past position 32 holds 3
-    small = LLM(
-        model="tiny-mla-swa",
-        block_size=BS,
-        num_gpu_blocks_override=100,
-        swa_full_tokens_ratio=0.05,
-        max_model_len=150,
-        max_num_batched_tokens=16,
-    )
-    assert {g: p.num_blocks for g, p in small.engine.block_manager.pools.items()} == {"full": 100, "swa": 5}
-    watch = StepWatch(small, 32)
-    assert [o.outputs[0].token_ids for o in small.generate(ps, sp)] == want
-    assert sum(r.num_preemptions for r in small.engine.preempted_log) > 0
-    watch.assert_all_free()
-
-
-def test_preemption_with_both_pools_short(rng):
-    ps = prompts(rng, [40, 35, 45, 40])
-    sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    want = [
-        o.outputs[0].token_ids
-        for o in LLM(model="tiny-mla-swa", block_size=BS, num_gpu_blocks_override=200, max_model_len=150).generate(
-            ps, sp
-        )
-    ]
-    small = LLM(
-        model="tiny-mla-swa",
-        block_size=BS,
-        num_gpu_blocks_override=12,
-        swa_full_tokens_ratio=0.5,
-        max_model_len=150,
-        max_num_batched_tokens=32,
-    )
+    kw = dict(num_gpu_blocks_override=full, swa_full_tokens_ratio=ratio, max_num_batched_tokens=chunk)
+    small = LLM(model="tiny-mla-swa", block_size=BS, max_model_len=150, **kw)
+    assert {g: p.num_blocks for g, p in small.engine.block_manager.pools.items()} == pools
     watch = StepWatch(small, 32)
     assert [o.outputs[0].token_ids for o in small.generate(ps, sp)] == want
     assert sum(r.num_preemptions for r in small.engine.preempted_log) > 0

@@ -2,7 +2,6 @@
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +12,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from live_server import LiveServer, free_port, metric, wait_idle
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.engine.args import EngineArgs
@@ -25,27 +24,12 @@ KEY = "test-key"
 ENGINE = dict(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=400, max_model_len=512)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     eng = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE, enable_prefix_caching=True, max_num_batched_tokens=256)))
-    app = api_server.build_app(eng, "tiny-mla-swa", api_key=KEY)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", eng
-    srv.should_exit = True
-    th.join(timeout=10)
-    eng.shutdown()
+    live = LiveServer(eng, api_key=KEY)
+    yield live.base, eng
+    live.close()
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +40,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def offline():
     return LLM(**ENGINE)
-
-
-def metric(base: str, name: str) -> float:
-    text = httpx.get(base + "/metrics").text
-    for line in text.splitlines():
-        if line.startswith(f"fastdeploy:{name} ") or line.startswith(f"fastdeploy:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
-def wait_idle(base: str, timeout: float = 30) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if metric(base, "num_requests_running") == 0 and metric(base, "kv_cache_blocks_used") == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError("requests still hold KV blocks")
 
 
 def test_completion_and_chat_match_offline(client, offline):

@@ -3,18 +3,16 @@ that disconnect, a dead engine, raw SSE, n samples and batched prompts (live ser
 
 import asyncio
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
+from live_server import LiveServer, metric, wait_idle
 
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.engine.engine import LLMEngine
-from fastdeploy.entrypoints.openai import api_server
 
 ENGINE = dict(
     model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=200, max_model_len=256, enable_prefix_caching=True
@@ -23,48 +21,12 @@ LIMIT = 64 * 1024
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(eng: AsyncLLMEngine, **kw):
-    app = api_server.build_app(eng, "tiny-mla-swa", **kw)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", srv, th
-
-
 @pytest.fixture(scope="module")
 def live():
     eng = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE)))
-    base, srv, th = serve(eng, max_request_bytes=LIMIT)
-    yield base, eng
-    srv.should_exit = True
-    th.join(timeout=10)
-    eng.shutdown()
-
-
-def metric(base: str, name: str) -> float:
-    for line in httpx.get(base + "/metrics").text.splitlines():
-        if line.startswith(f"fastdeploy:{name} ") or line.startswith(f"fastdeploy:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
-def wait_idle(base: str, timeout: float = 20) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if metric(base, "num_requests_running") == 0 and metric(base, "kv_cache_blocks_used") == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("requests still hold KV blocks")
+    server = LiveServer(eng, max_request_bytes=LIMIT)
+    yield server.base, eng
+    server.close()
 
 
 GREEDY = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
@@ -277,7 +239,8 @@ def test_engine_step_failure_fails_only_its_request(live):
 def test_dead_engine_answers_503_at_once_and_calls_on_fatal():
     fatal = threading.Event()
     eng = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE)), on_fatal=fatal.set)
-    base, srv, th = serve(eng)
+    server = LiveServer(eng)
+    base = server.base
     try:
         sched = eng.engine.scheduler
         inner = sched.schedule
@@ -300,9 +263,7 @@ def test_dead_engine_answers_503_at_once_and_calls_on_fatal():
         r = httpx.post(base + CMPL, json={"prompt": "hi", "max_tokens": 2, "stream": True}, timeout=30)
         assert r.status_code == 503
     finally:
-        srv.should_exit = True
-        th.join(timeout=10)
-        eng.shutdown()
+        server.close()
 
 
 # ---------------------------------------------------------------- disconnects

@@ -3,7 +3,6 @@ the engine thread dies. Every process is killed at the end, whatever happens."""
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -11,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from live_server import free_port
 
 FLAGS = ["--block-size", "16", "--max-model-len", "512", "--num-gpu-blocks-override", "64", "--log-level", "warning"]
 # a scheduler that breaks on its 5th call: outside the per-request isolation, so the engine thread dies
@@ -27,12 +27,6 @@ DYING = (
     "from fastdeploy.entrypoints.openai.api_server import main\n"
     "main(sys.argv[1:])\n"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
