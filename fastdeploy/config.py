@@ -258,13 +258,17 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
+    """``tensor_parallel_size`` ranks split the model (docs/design.md §4.9); a rank that stops
+    answering for ``dist_timeout`` seconds stops the driver."""
+
     tensor_parallel_size: int = 1
+    dist_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} (--tensor-parallel-size) is not supported yet; use 1"
-            )
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout!r}")
 
 
 SPARSE_MLA_PROVIDERS = ("flashmla", "triton", "reference")
@@ -300,6 +304,17 @@ class FDConfig:
 
     def __post_init__(self) -> None:
         sc, mc = self.scheduler_config, self.model_config
+        n = self.parallel_config.tensor_parallel_size
+        splits = {  # what tensor parallelism splits (docs/design.md §4.9)
+            "num_attention_heads": mc.num_attention_heads,
+            "vocab_size": mc.vocab_size,
+            "intermediate_size": mc.intermediate_size,
+            "n_routed_experts": mc.n_routed_experts or 0,
+            "moe_intermediate_size": mc.moe_intermediate_size * (mc.n_shared_experts or 0),
+        }
+        for key, v in splits.items():
+            if v % n:
+                raise ValueError(f"config key {key!r}={v} does not divide over tensor_parallel_size={n}")
         if sc.max_model_len is None:
             sc.max_model_len = mc.max_position_embeddings
         elif sc.max_model_len > mc.max_position_embeddings:

@@ -123,7 +123,8 @@ def test_unknown_keys_ignored_and_eos_list(tmp_path):
         (CacheConfig, {"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         (CacheConfig, {"kv_cache_dtype": "int3"}, "kv_cache_dtype"),
         (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs"),
-        (ParallelConfig, {"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        (ParallelConfig, {"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        (ParallelConfig, {"dist_timeout": 0}, "dist_timeout"),
     ],
 )
 def test_engine_config_errors(ctor, kw, word):

@@ -45,7 +45,10 @@ class EngineArgs:
     kv_cache_dtype: str = setting(
         "auto", "full-attention layers' KV cache (SWA layers always use the FP8 record)", KV_CACHE_DTYPES
     )
-    tensor_parallel_size: int = setting(1, "GPUs the model is split over (1 only for now)")
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is split over; started here, or taken from paddle.distributed.launch"
+    )
+    dist_timeout: float = setting(60.0, "seconds a tensor-parallel rank may stay silent before the driver exits")
     kernel_backend: str = setting(
         "auto",
         "window indexer and FP8 cache kernels; auto: Triton on a CUDA paddle, paddle references on CPU; "
@@ -77,7 +80,9 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 max_model_len=self.max_model_len,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size, dist_timeout=self.dist_timeout
+            ),
             kernel_config=select_kernels(self.kernel_backend, self.sparse_mla_provider),
         )
 

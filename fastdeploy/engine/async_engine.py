@@ -43,6 +43,7 @@ class AsyncLLMEngine:
         self.stopped = False
         self.draining = False
         self.error: BaseException | None = None
+        engine.fatal_listeners.append(self._fail_all)
         self.thread = threading.Thread(target=self._loop, name="fastdeploy-engine", daemon=True)
         self.thread.start()
 
@@ -127,12 +128,16 @@ class AsyncLLMEngine:
                         self._deliver(out, out.request_id)
         except BaseException as e:  # noqa: BLE001 - the engine is broken: fail everyone, let the server exit
             logger.exception("the engine thread died")
-            with self.lock:
-                self.error = e
-                for rid in list(self.streams):
-                    self._deliver(EngineDeadError(f"the engine stopped: {e!r}"), rid)
-            if self.on_fatal is not None:
-                self.on_fatal()
+            self._fail_all(e)
+
+    def _fail_all(self, e: BaseException) -> None:
+        """The engine cannot go on: every waiting request gets EngineDeadError, then on_fatal."""
+        with self.lock:
+            self.error = e
+            for rid in list(self.streams):
+                self._deliver(EngineDeadError(f"the engine stopped: {e!r}"), rid)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def num_in_flight(self) -> int:
         with self.lock:

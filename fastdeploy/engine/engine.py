@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
+import json
 import logging
+import os
+import subprocess
+import threading
 import time
 import uuid
 from collections import deque
 
 from fastdeploy.cache_manager.block_manager import BlockManager
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
+from fastdeploy.distributed.parallel import init_tensor_parallel
+from fastdeploy.distributed.watchdog import RankWatchdog
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
 from fastdeploy.request import Request, RequestOutput
@@ -17,6 +25,8 @@ from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger("fastdeploy")
+
+EXIT_GRACE_S = 5.0  # after a rank fails: time for the server to answer waiting requests before exiting
 
 
 def check_kv_capacity(num_blocks: dict[str, int], block_size: int, max_model_len: int, fd: FDConfig) -> None:
@@ -48,7 +58,24 @@ class LLMEngine:
         self.config = args.create_config()
         mc = self.config.model_config
         self.tokenizer = Tokenizer(mc.model_dir)
-        self.runner = GPUModelRunner(self.config, args.dtype)
+        pc = self.config.parallel_config
+        worker_argv = ["--engine-args", json.dumps(dataclasses.asdict(args)), "--driver-pid", str(os.getpid())]
+        self.tp = init_tensor_parallel(pc.tensor_parallel_size, worker_argv)
+        if not self.tp.is_driver:
+            raise ValueError("LLMEngine runs on rank 0 only; other ranks run fastdeploy.worker.tp_worker")
+        self.fatal_listeners: list = []  # callables(exception) when a rank fails
+        self._failing, self._failed = threading.Lock(), False
+        self.watchdog = None
+        try:
+            self.runner = GPUModelRunner(self.config, args.dtype, self.tp)
+        except BaseException:
+            self.shutdown()
+            raise
+        if pc.tensor_parallel_size > 1:
+            self.watchdog = RankWatchdog(
+                self.tp.workers, lambda: self.runner.step_started, pc.dist_timeout, self._rank_failed
+            )
+        atexit.register(self.shutdown)
         sc = self.config.scheduler_config
         check_kv_capacity(self.runner.num_blocks, self.runner.block_size, sc.max_model_len, self.config)
         self.block_manager = BlockManager(
@@ -67,6 +94,42 @@ class LLMEngine:
         self.num_preemptions = 0
         self.num_request_errors = 0
         self.finish_listeners: list = []  # callables(request_id, reason) for aborted or failed requests
+
+    def _rank_failed(self, why: str) -> None:
+        """Another rank died or stopped answering: report it, then exit (this rank may be blocked
+        in a collective for good). Listeners (the server) get a few seconds to answer and exit."""
+        with self._failing:
+            if self._failed:
+                return
+            self._failed = True
+        logger.error("%s; stopping", why)
+        for p in self.tp.workers:
+            if p.poll() is None:
+                p.kill()
+        for listener in self.fatal_listeners:
+            listener(RuntimeError(why))
+        if self.fatal_listeners:
+            time.sleep(EXIT_GRACE_S)
+        logging.shutdown()
+        os._exit(1)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (they return from their step loop) and reap their processes."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        runner = getattr(self, "runner", None)
+        workers = [p for p in self.tp.workers if p.poll() is None]
+        if runner is not None and workers:
+            try:
+                runner.stop_workers()
+            except Exception:  # noqa: BLE001 - a rank already gone; it is killed below
+                logger.warning("could not reach the other ranks to stop them")
+        for p in workers:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.tp.workers.clear()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Queue a prompt (text, or token ids). Raises ValueError naming what is wrong."""
@@ -122,6 +185,9 @@ class LLMEngine:
         try:
             results = self.runner.execute(sched.scheduled)
         except Exception:  # noqa: BLE001 - pinned to requests below; the engine keeps serving
+            dead = [r for r, p in enumerate(self.tp.workers, start=1) if p.poll() is not None]
+            if dead:  # not the requests' fault: a rank is gone
+                self._rank_failed(f"tensor-parallel rank {dead[0]} exited during a step")
             logger.exception("engine step of %d requests failed; retrying them one by one", len(sched.scheduled))
             results = [self._execute_alone(req, n) for req, n in sched.scheduled]
         now = time.monotonic()

@@ -2,7 +2,9 @@
 
 DeepSeek-V3 names map one to one onto the model's parameter names. FP8 e4m3 weights with a
 ``<name>_scale_inv`` tensor (one float32 per 128 x 128 block) are de-quantized at load.
-Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are skipped.
+Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are skipped. Under
+tensor parallelism each rank reads only its slice of each tensor (a parameter's ``tp_shard``),
+and skips the routed experts other ranks hold; an FP8 tensor is cut at its 128-blocks.
 """
 
 from __future__ import annotations
@@ -50,9 +52,25 @@ def dequant_fp8_block(codes: np.ndarray, scale_inv: np.ndarray, name: str) -> np
     return E4M3_TO_F32[codes] * full
 
 
-def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int, show_progress: bool = True) -> None:
-    """Copy every checkpoint tensor into the parameter of the same name; errors name the tensor."""
+def _fp8_slice(scale_inv: SafeTensorsFile, s: str, shard: tuple | None, rank: int) -> np.ndarray:
+    """The block scales covering this rank's slice; the slice must start and end on 128-blocks."""
+    if shard is None:
+        return scale_inv.get(s)
+    dim, start, end, full = shard
+    if start % FP8_BLOCK or (end % FP8_BLOCK and end < full):
+        raise CheckpointError(
+            f"FP8 tensor {s[: -len('_scale_inv')]}: rank {rank}'s slice [{start}, {end}) of dim {dim} does not fall on "
+            f"{FP8_BLOCK}-blocks; choose a tensor_parallel_size that splits it at {FP8_BLOCK}"
+        )
+    return scale_inv.get(s, dim, start // FP8_BLOCK, -(-end // FP8_BLOCK))
+
+
+def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int, show_progress: bool = True) -> int:
+    """Copy every checkpoint tensor (this rank's slice of it) into the parameter of the same name;
+    errors name the tensor (and the rank). Returns the bytes read from the checkpoint."""
     params = dict(model.named_parameters())
+    owns = getattr(model, "owns_checkpoint_tensor", lambda name: True)
+    rank = getattr(getattr(model, "tp", None), "rank", 0)
     sources: dict[str, SafeTensorsFile] = {}
     for path in checkpoint_files(model_dir):
         f = SafeTensorsFile(path)
@@ -62,7 +80,7 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
     names = []
     for k in sources:
         m = mtp.match(k)
-        if k.endswith("_scale_inv") or (m and int(m.group(1)) >= num_hidden_layers):
+        if k.endswith("_scale_inv") or (m and int(m.group(1)) >= num_hidden_layers) or not owns(k):
             continue
         if k not in params:
             raise CheckpointError(f"unexpected tensor {k} in the checkpoint (no such parameter in the model)")
@@ -73,16 +91,21 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
     for k in tqdm(sorted(names), desc="loading weights", unit="tensor", disable=not show_progress):
         f = sources[k]
         p = params[k]
-        if tuple(f.shape(k)) != tuple(p.shape):
-            raise CheckpointError(f"tensor {k} has shape {list(f.shape(k))}, the model expects {list(p.shape)}")
-        x = f.get(k)
+        shard = getattr(p, "tp_shard", None)  # (dim, start, end, full size of dim)
+        expected = list(p.shape)
+        if shard is not None:
+            expected[shard[0]] = shard[3]
+        if list(f.shape(k)) != expected:
+            raise CheckpointError(f"tensor {k} has shape {list(f.shape(k))}, the model expects {expected}")
+        x = f.get(k) if shard is None else f.get(k, *shard[:3])
         if f.dtype(k) == "F8_E4M3":
             s = k + "_scale_inv"
             if s not in sources:
                 raise CheckpointError(f"FP8 tensor {k} has no {s}")
-            x = dequant_fp8_block(x, sources[s].get(s), k)
+            x = dequant_fp8_block(x, _fp8_slice(sources[s], s, shard, rank), k)
         p.set_value(paddle.to_tensor(x.astype(np.float32)).astype(p.dtype))
     for layer in model.sublayers(include_self=True):  # weights derived from the loaded ones
         hook = getattr(layer, "process_weights_after_loading", None)
         if callable(hook):
             hook()
+    return sum(f.bytes_read for f in set(sources.values()))

@@ -84,6 +84,7 @@ class SafeTensorsFile:
         self.metadata = header.pop("__metadata__", {})
         self._header = header
         self._base = 8 + n
+        self.bytes_read = 0
 
     def keys(self) -> list[str]:
         return list(self._header)
@@ -94,15 +95,34 @@ class SafeTensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._header[name]["shape"])
 
-    def get(self, name: str) -> np.ndarray:
+    def nbytes(self, name: str) -> int:
+        """Bytes the tensor takes in the file."""
+        b, e = self._header[name]["data_offsets"]
+        return e - b
+
+    def get(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The tensor, or its slice [start, end) along ``dim`` (0 or 1), reading only those bytes
+        from the mapped file; ``bytes_read`` counts them."""
         info = self._header[name]
         dtype, shape = info["dtype"], tuple(info["shape"])
         b, e = info["data_offsets"]
         if dtype not in _ITEMSIZE:
             raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype}")
-        if e - b != int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]:
+        size = _ITEMSIZE[dtype]
+        if e - b != int(np.prod(shape, dtype=np.int64)) * size:
             raise ValueError(f"{self.path}: tensor {name!r} byte length does not match shape {shape}")
         raw = np.frombuffer(self._mm, dtype=np.uint8, count=e - b, offset=self._base + b)
+        if dim is not None:
+            end = shape[dim] if end is None else end
+            row = int(np.prod(shape[1:], dtype=np.int64)) * size
+            if dim == 0:  # contiguous rows
+                raw, shape = raw[start * row : end * row], (end - start, *shape[1:])
+            else:  # a column block of every row
+                cols = shape[1]
+                raw = raw.reshape(shape[0], cols, -1)[:, start:end].reshape(-1)
+                shape = (shape[0], end - start, *shape[2:])
+            raw = np.ascontiguousarray(raw)
+        self.bytes_read += raw.size
         if dtype == "BF16":
             return bf16_to_f32(raw.view("<u2")).reshape(shape)
         if dtype == "F8_E4M3":

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 
 import numpy as np
 import paddle
 
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
-from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
+from fastdeploy.distributed.parallel import TPGroup
+from fastdeploy.model_executor.forward_meta import ForwardMetaBuilder
 from fastdeploy.model_executor.layers.sampler import SampleResult, sample
 from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -97,16 +99,21 @@ def num_blocks_for(fd: FDConfig, model_dtype: str) -> dict[str, int]:
 
 
 class GPUModelRunner:
-    def __init__(self, fd_config: FDConfig, dtype: str = "auto") -> None:
+    """One rank's model and KV caches. The driver (rank 0) schedules and samples; under tensor
+    parallelism it broadcasts each step's host arrays and every rank runs the same step."""
+
+    def __init__(self, fd_config: FDConfig, dtype: str = "auto", tp: TPGroup | None = None) -> None:
         self.fd = fd_config
+        self.tp = tp or TPGroup()
         self.dtype = resolve_dtype(dtype)
         mc = fd_config.model_config
-        self.model = DeepseekV3ForCausalLM(mc, self.dtype, fd_config.kernel_config)
+        self.model = DeepseekV3ForCausalLM(mc, self.dtype, fd_config.kernel_config, self.tp)
         self.model.eval()
-        load_weights(self.model, mc.model_dir, mc.num_hidden_layers, show_progress=True)
+        self.bytes_loaded = load_weights(self.model, mc.model_dir, mc.num_hidden_layers, self.tp.is_driver)
         self.block_size = fd_config.cache_config.block_size
         self.meta_builder = ForwardMetaBuilder(self.block_size, self.model.sliding_windows, fd_config.kernel_config)
-        self.num_blocks = num_blocks_for(fd_config, self.dtype)
+        self.step_started: float | None = None
+        self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.dtype))  # the same on every rank
         self.caches = self.allocate_caches(self.num_blocks)
 
     def allocate_caches(self, num_blocks: dict[str, int]) -> list[paddle.Tensor]:
@@ -133,7 +140,8 @@ class GPUModelRunner:
             )
         return caches
 
-    def build_meta(self, scheduled: list[tuple[Request, int]]) -> ForwardMeta:
+    def step_inputs(self, scheduled: list[tuple[Request, int]]) -> dict:
+        """The step's host arrays: what the driver broadcasts and every rank builds ForwardMeta from."""
         ids, enc, dec = [], [], []
         tables: dict[str, list[list[int]]] = {g: [] for g in self.num_blocks}
         for req, n in scheduled:
@@ -144,24 +152,55 @@ class GPUModelRunner:
             dec.append(start)
             for g, rows in tables.items():
                 rows.append(req.block_tables[g])
-        return self.meta_builder.build(ids, enc, dec, tables)
+        samples_at = [i for i, (req, n) in enumerate(scheduled) if req.num_computed_tokens + n == req.num_tokens]
+        return {
+            "input_ids": ids,
+            "seq_lens_encoder": enc,
+            "seq_lens_decoder": dec,
+            "block_tables": tables,
+            "samples_at": samples_at,
+        }
+
+    def run_step(self, step: dict) -> np.ndarray | None:
+        """The model on one step's inputs, the same on every rank; logits float32 [n, vocab] of the
+        tokens that sample (None when none does)."""
+        self.step_started = time.monotonic()
+        try:
+            meta = self.meta_builder.build(
+                step["input_ids"], step["seq_lens_encoder"], step["seq_lens_decoder"], step["block_tables"]
+            )
+            hidden = self.model(meta, self.caches)
+            if not step["samples_at"]:
+                return None
+            last_tok = (meta.cu_seqlens_q[1:] - 1)[step["samples_at"]]
+            return self.model.compute_logits(hidden, paddle.to_tensor(last_tok)).numpy()
+        finally:
+            self.step_started = None
 
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[SampleResult | Exception | None]:
-        """Run one step; a sample for each request whose tokens are now all computed (or the
-        exception sampling it raised), else None. A failure of the model step itself raises."""
+        """Run one step (the driver; other ranks get its inputs by broadcast); a sample for each
+        request whose tokens are now all computed (or the exception sampling it raised), else None.
+        A failure of the model step itself raises."""
         if not scheduled:
             return []
-        meta = self.build_meta(scheduled)
-        hidden = self.model(meta, self.caches)
-        samples_at = [i for i, (req, n) in enumerate(scheduled) if req.num_computed_tokens + n == req.num_tokens]
+        step = self.tp.broadcast_object(self.step_inputs(scheduled))
+        logits = self.run_step(step)
         results: list[SampleResult | Exception | None] = [None] * len(scheduled)
-        if not samples_at:
+        if logits is None:
             return results
-        last_tok = meta.cu_seqlens_q[1:] - 1
-        logits = self.model.compute_logits(hidden, paddle.to_tensor(last_tok[samples_at])).numpy()
-        reqs = [scheduled[i][0] for i in samples_at]
+        reqs = [scheduled[i][0] for i in step["samples_at"]]
         states = [r.sampling_state for r in reqs]
         histories = [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
-        for i, r in zip(samples_at, sample(np.asarray(logits), states, histories), strict=True):
+        for i, r in zip(step["samples_at"], sample(np.asarray(logits), states, histories), strict=True):
             results[i] = r
         return results
+
+    def serve_steps(self) -> None:
+        """A worker rank: run the driver's steps until it broadcasts None."""
+        while (step := self.tp.broadcast_object()) is not None:
+            self.run_step(step)
+
+    def stop_workers(self) -> None:
+        """The driver: tell the other ranks to return from ``serve_steps``."""
+        if self.tp.world_size > 1 and self.tp.is_driver:
+            self.tp.broadcast_object(None)

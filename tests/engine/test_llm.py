@@ -123,8 +123,8 @@ def test_bad_requests(llm):
         llm.generate(["a", "b"], [GREEDY])
     with pytest.raises(ValueError, match="max-model-len"):
         LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=2, max_model_len=512)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(model="tiny-mla-swa", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="'num_attention_heads'=4 does not divide over tensor_parallel_size=3"):
+        LLM(model="tiny-mla-swa", tensor_parallel_size=3)
 
 
 def test_cache_allocation_per_layer_and_budget(tiny_model_dir):

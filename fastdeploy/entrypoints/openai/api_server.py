@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fastdeploy.distributed.parallel import LAUNCH_ENV
 from fastdeploy.engine.args import EngineArgs, add_dataclass_args, setting
 from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError, ServerDrainingError
 from fastdeploy.engine.engine import LLMEngine
@@ -42,6 +43,7 @@ from fastdeploy.entrypoints.openai.protocol import MAX_STOP, ChatCompletionReque
 from fastdeploy.request import Request as EngineRequest
 from fastdeploy.request import RequestOutput
 from fastdeploy.sampling_params import SamplingParams
+from fastdeploy.worker.tp_worker import run_worker
 
 logger = logging.getLogger("fastdeploy")
 
@@ -573,6 +575,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = make_parser()
     ns = ap.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get(LAUNCH_ENV) and int(os.environ.get("PADDLE_TRAINER_ID", "0")) != 0:
+        return run_worker(EngineArgs.from_cli_args(ns))  # a rank under paddle.distributed.launch: no HTTP
     try:
         engine = LLMEngine(EngineArgs.from_cli_args(ns))
     except (ValueError, FileNotFoundError) as e:

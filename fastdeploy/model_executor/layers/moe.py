@@ -1,5 +1,9 @@
 """The dense MLP and DeepSeek-V3's MoE block (sigmoid scoring, bias-corrected group-limited
-top-k, normalised and scaled routing weights, shared experts)."""
+top-k, normalised and scaled routing weights, shared experts).
+
+Tensor parallel (docs/design.md §4.9): a dense MLP splits its intermediate features; the MoE
+block gives each rank n_routed_experts / N whole experts, which it runs for all tokens, splits the
+shared experts like a dense MLP, and all-reduces routed and shared parts once."""
 
 from __future__ import annotations
 
@@ -8,17 +12,21 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fastdeploy.config import ModelConfig
+from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(nn.Layer):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), intermediate features split over ``tp``; ``reduce`` False
+    leaves the partial sums to the caller."""
 
-    def __init__(self, hidden: int, inter: int, dtype: str) -> None:
+    def __init__(
+        self, hidden: int, inter: int, tp: TPGroup, dtype: str, what: str = "intermediate_size", reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, inter, dtype=dtype)
-        self.up_proj = ColumnParallelLinear(hidden, inter, dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, hidden, dtype=dtype)
+        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, what, dtype=dtype)
+        self.up_proj = ColumnParallelLinear(hidden, inter, tp, what, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, tp, what, dtype=dtype, reduce=reduce)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -60,15 +68,19 @@ class MoEGate(nn.Layer):
 
 
 class DeepseekV3MoE(nn.Layer):
-    def __init__(self, cfg: ModelConfig, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: str) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = MoEGate(cfg, dtype)
-        self.experts = nn.LayerList(
-            [MLP(cfg.hidden_size, cfg.moe_intermediate_size, dtype) for _ in range(cfg.n_routed_experts)]
+        self.expert_range = tp.shard(cfg.n_routed_experts, "n_routed_experts")
+        one = TPGroup()  # an expert is whole on the rank that holds it
+        self.experts = nn.LayerDict(
+            {str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, one, dtype) for e in range(*self.expert_range)}
         )
+        shared = cfg.moe_intermediate_size * (cfg.n_shared_experts or 0)
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
-            if cfg.n_shared_experts
+            MLP(cfg.hidden_size, shared, tp, dtype, "moe_intermediate_size * n_shared_experts", reduce=False)
+            if shared
             else None
         )
 
@@ -76,11 +88,14 @@ class DeepseekV3MoE(nn.Layer):
         ids, w = self.gate(x)
         out = paddle.zeros([x.shape[0], x.shape[1]], "float32")
         flat_ids = ids.flatten()
-        for e in paddle.unique(flat_ids).tolist():  # one batched call per expert that has tokens
+        lo, hi = self.expert_range
+        for e in paddle.unique(flat_ids).tolist():  # one batched call per local expert that has tokens
+            if not lo <= e < hi:
+                continue
             hit = paddle.nonzero(flat_ids == e).flatten()
             tok = hit // ids.shape[1]
-            y = self.experts[e](x[tok]).astype("float32") * w.flatten()[hit].unsqueeze(-1)
+            y = self.experts[str(e)](x[tok]).astype("float32") * w.flatten()[hit].unsqueeze(-1)
             out = paddle.index_add(out, tok, 0, y)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).astype("float32")
-        return out.astype(x.dtype)
+        return self.tp.all_reduce(out).astype(x.dtype)

@@ -9,10 +9,13 @@ an MLAAttentionBackend (latent cache in the model dtype, bf16 or FP8 records).
 
 from __future__ import annotations
 
+import re
+
 import paddle
 from paddle import nn
 
 from fastdeploy.config import KernelConfig, ModelConfig
+from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.dsa_attention_backend import DSAAttentionBackend
 from fastdeploy.model_executor.layers.attention.mla_attention_backend import MLAAttentionBackend
@@ -22,12 +25,15 @@ from fastdeploy.model_executor.layers.moe import MLP, DeepseekV3MoE
 from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.rotary_embedding import DeepseekRotaryEmbedding, deepseek_softmax_scale
 
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
 
 class DeepseekV3MLAAttention(nn.Layer):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = cfg.num_attention_heads
+        lo, hi = tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        self.num_heads = hi - lo  # this rank's heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         if self.kv_lora_rank != 512 or self.rope != 64:
@@ -35,17 +41,19 @@ class DeepseekV3MLAAttention(nn.Layer):
                 f"config keys 'kv_lora_rank'={self.kv_lora_rank} / 'qk_rope_head_dim'={self.rope}: the MLA cache "
                 "layout needs 512 and 64"
             )
-        h, qk = cfg.hidden_size, cfg.qk_head_dim
+        h, qk, nh = cfg.hidden_size, cfg.qk_head_dim, cfg.num_attention_heads
         if cfg.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, dtype=dtype)
+            self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, self.num_heads * qk, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, nh * qk, tp, "num_attention_heads", dtype)
         else:
-            self.q_proj = ColumnParallelLinear(h, self.num_heads * qk, dtype=dtype)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, dtype=dtype)
+            self.q_proj = ColumnParallelLinear(h, nh * qk, tp, "num_attention_heads", dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, dtype)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), dtype=dtype)
-        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, h, dtype=dtype)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, nh * (self.nope + self.v_dim), tp, "num_attention_heads", dtype
+        )
+        self.o_proj = RowParallelLinear(nh * self.v_dim, h, tp, "num_attention_heads", dtype)
         self.w_uk = self.w_uv = None  # from kv_b_proj, by process_weights_after_loading
 
         self.is_swa = cfg.is_swa_layer(layer_id)
@@ -100,13 +108,13 @@ class DeepseekV3MLAAttention(nn.Layer):
 
 
 class DeepseekV3DecoderLayer(nn.Layer):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = DeepseekV3MLAAttention(cfg, layer_id, dtype, kernels)
+        self.self_attn = DeepseekV3MLAAttention(cfg, layer_id, dtype, kernels, tp)
         moe = cfg.n_routed_experts and layer_id >= cfg.first_k_dense_replace and layer_id % cfg.moe_layer_freq == 0
-        self.mlp = DeepseekV3MoE(cfg, dtype) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.mlp = DeepseekV3MoE(cfg, tp, dtype) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype)
 
     def forward(self, x: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cache, meta)
@@ -114,11 +122,11 @@ class DeepseekV3DecoderLayer(nn.Layer):
 
 
 class DeepseekV3Model(nn.Layer):
-    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.LayerList(
-            [DeepseekV3DecoderLayer(cfg, i, dtype, kernels) for i in range(cfg.num_hidden_layers)]
+            [DeepseekV3DecoderLayer(cfg, i, dtype, kernels, tp) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -131,13 +139,24 @@ class DeepseekV3Model(nn.Layer):
 
 class DeepseekV3ForCausalLM(nn.Layer):
     """Hidden states for every token; ``compute_logits`` for the tokens that sample. ``kernels``
-    (chosen once at start-up) says which implementations the attention backends run."""
+    (chosen once at start-up) says which implementations the attention backends run; ``tp`` is
+    this rank's tensor-parallel group (one rank by default)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = DeepseekV3Model(cfg, dtype, kernels)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        tp = tp or TPGroup()
+        self.config, self.tp = cfg, tp
+        self.model = DeepseekV3Model(cfg, dtype, kernels, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+
+    def owns_checkpoint_tensor(self, name: str) -> bool:
+        """False for the routed experts another rank holds."""
+        m = _EXPERT.match(name)
+        if m is None:
+            return True
+        mlp = self.model.layers[int(m.group(1))].mlp
+        lo, hi = getattr(mlp, "expert_range", (0, 0))
+        return lo <= int(m.group(2)) < hi
 
     @property
     def sliding_windows(self) -> list[int]:

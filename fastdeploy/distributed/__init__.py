@@ -1,0 +1,1 @@
+"""Tensor parallelism: ranks, process groups and the collectives the model uses."""

@@ -1,0 +1,135 @@
+"""Tensor-parallel ranks over paddle.distributed (docs/design.md §4.9).
+
+``TPGroup`` is what layers and the runner hold: this rank, the world size, and the collectives the
+model uses (all_reduce, all_gather; NCCL on GPU, gloo on CPU), plus ``broadcast_object`` over a
+CPU (gloo) group for the step's host arrays from the driver (rank 0). One rank is a TPGroup of
+size 1 whose collectives are no-ops, so the single-device path is the same code.
+
+Ranks come either from ``paddle.distributed.launch`` (its PADDLE_* environment; several nodes
+possible) or from ``spawn_workers``, which starts ranks 1..N-1 of one node as child processes of
+the driver with the same environment the launcher would give them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import paddle
+
+LAUNCH_ENV = "PADDLE_TRAINERS_NUM"
+
+
+@dataclass
+class TPGroup:
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # tensor collectives: the default group
+    cpu_group: Any = None  # host arrays: a gloo group
+    workers: list = field(default_factory=list)  # child processes this driver started
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, n: int, what: str) -> tuple[int, int]:
+        """[start, end) of this rank's part of n items; ValueError naming ``what`` if n does not divide."""
+        if n % self.world_size:
+            raise ValueError(f"{what}={n} does not divide over tensor_parallel_size={self.world_size}")
+        k = n // self.world_size
+        return self.rank * k, (self.rank + 1) * k
+
+    def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
+        """Sum over ranks (in place on x; returns x). float32 on the wire for bf16 partial sums."""
+        if self.world_size == 1:
+            return x
+        import paddle.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: paddle.Tensor) -> paddle.Tensor:
+        """Concatenate every rank's x along the last axis, in rank order."""
+        if self.world_size == 1:
+            return x
+        import paddle.distributed as dist
+
+        parts: list[paddle.Tensor] = []
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return paddle.concat(parts, axis=-1)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """The driver's obj on every rank (pickled through two broadcasts: length, then bytes)."""
+        if self.world_size == 1:
+            return obj
+        import paddle.distributed as dist
+
+        data = pickle.dumps(obj) if self.is_driver else b""
+        n = paddle.to_tensor([len(data)], dtype="int64")
+        dist.broadcast(n, src=0, group=self.cpu_group)
+        size = int(n.numpy()[0])
+        buf = paddle.to_tensor(np.frombuffer(data, np.uint8)) if self.is_driver else paddle.zeros([size], "uint8")
+        dist.broadcast(buf, src=0, group=self.cpu_group)
+        return obj if self.is_driver else pickle.loads(buf.numpy().tobytes())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, endpoints: list[str], master: str) -> dict[str, str]:
+    """The environment paddle.distributed.launch gives a rank of one node."""
+    return {
+        "PADDLE_TRAINER_ID": str(rank),
+        "PADDLE_TRAINERS_NUM": str(world_size),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+        "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
+        "PADDLE_MASTER": master,
+        "PADDLE_GLOBAL_RANK": str(rank),
+        "PADDLE_GLOBAL_SIZE": str(world_size),
+        "PADDLE_LOCAL_RANK": str(rank),
+        "PADDLE_LOCAL_SIZE": str(world_size),
+        "PADDLE_RANK_IN_NODE": str(rank),
+        "PADDLE_NNODES": "1",
+        "PADDLE_DISTRI_BACKEND": "nccl" if paddle.is_compiled_with_cuda() else "gloo",
+    }
+
+
+def spawn_workers(world_size: int, worker_argv: list[str]) -> list[subprocess.Popen]:
+    """Start ranks 1..world_size-1 on this node (``python -m fastdeploy.worker.tp_worker ARGV``)
+    and give this process rank 0's environment."""
+    endpoints = [f"127.0.0.1:{_free_port()}" for _ in range(world_size)]
+    master = f"127.0.0.1:{_free_port()}"
+    procs = []
+    for r in range(1, world_size):
+        env = {**os.environ, **rank_env(r, world_size, endpoints, master)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "fastdeploy.worker.tp_worker", *worker_argv], env=env))
+    os.environ.update(rank_env(0, world_size, endpoints, master))
+    return procs
+
+
+def init_tensor_parallel(world_size: int, worker_argv: list[str] | None = None) -> TPGroup:
+    """This process's TPGroup. Under paddle.distributed.launch the rank comes from its environment
+    (and the world size must match); otherwise the driver starts the other ranks itself."""
+    if world_size == 1:
+        return TPGroup()
+    workers = []
+    if LAUNCH_ENV not in os.environ:
+        workers = spawn_workers(world_size, worker_argv or [])
+    launched = int(os.environ[LAUNCH_ENV])
+    if launched != world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} but the launcher started {launched} ranks")
+    import paddle.distributed as dist
+
+    dist.init_parallel_env()
+    # host arrays over gloo: on CPU the default group already is gloo (a second one only races)
+    cpu = dist.new_group(list(range(world_size)), backend="gloo") if paddle.is_compiled_with_cuda() else None
+    return TPGroup(dist.get_rank(), world_size, None, cpu, workers)
