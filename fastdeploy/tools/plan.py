@@ -1,0 +1,123 @@
+"""Memory per tensor-parallel rank for a config: weights, KV bytes per token per group, and the
+tokens of KV that fit.
+
+    python -m fastdeploy.tools.plan --config config.json --tensor-parallel-size N --gpu-memory-gib 141
+        [--kv-cache-dtype auto|bf16|fp8] [--gpu-memory-utilization 0.9] [--dtype bfloat16] [--block-size 64]
+        [--max-num-seqs 64] [--max-num-batched-tokens 2048]
+
+The shapes come from the model itself, built for rank 0 without memory (paddle.LazyGuard), so
+the figures follow the same sharding as the runner. Weights are given as the runner holds them
+(the model dtype; FP8 checkpoints are de-quantized at load today) and, for an FP8 checkpoint, as
+stored (e4m3 projections plus one float32 scale per 128 x 128 block). The KV pools are sized as the
+runner sizes them (``plan_kv_blocks``) from the memory left after the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import paddle
+
+from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from fastdeploy.distributed.parallel import TPGroup
+from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
+from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, plan_kv_blocks
+
+FP8_BLOCK = 128
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def weight_bytes(fd: FDConfig, dtype: str, tp_size: int, fp8_checkpoint: bool) -> dict[str, int]:
+    """Rank 0's parameter bytes: as held in ``dtype`` and, for an FP8 checkpoint, as stored."""
+    with paddle.LazyGuard():
+        model = DeepseekV3ForCausalLM(fd.model_config, dtype, KernelConfig(), TPGroup(rank=0, world_size=tp_size))
+    held = stored = 0
+    for name, p in model.named_parameters():
+        n = math.prod(p.shape)
+        held += n * (4 if p.dtype == paddle.float32 else _itemsize(dtype))
+        if fp8_checkpoint and name.endswith("_proj.weight"):  # DeepSeek-V3's FP8 tensors: every projection
+            stored += n + 4 * math.ceil(p.shape[0] / FP8_BLOCK) * math.ceil(p.shape[1] / FP8_BLOCK)
+        else:
+            stored += n * (4 if p.dtype == paddle.float32 else 2)
+    return {"held": held, "stored": stored}
+
+
+def plan(fd: FDConfig, dtype: str, memory_bytes: float, fp8_checkpoint: bool = False) -> dict:
+    """The figures for rank 0 (every rank holds the same amount)."""
+    tp = fd.parallel_config.tensor_parallel_size
+    w = weight_bytes(fd, dtype, tp, fp8_checkpoint)
+    per_block = group_bytes_per_block(fd, dtype)
+    bs = fd.cache_config.block_size
+    out = {
+        "tensor_parallel_size": tp,
+        "weights_held_bytes": w["held"],
+        "weights_fp8_bytes": w["stored"] if fp8_checkpoint else None,
+        "kv_bytes_per_token": {g: b // bs for g, b in per_block.items()},
+    }
+    for key, weights in (("held", w["held"]), ("fp8", w["stored"] if fp8_checkpoint else None)):
+        if weights is None:
+            continue
+        budget = memory_bytes * fd.cache_config.gpu_memory_utilization - weights
+        blocks = plan_kv_blocks(fd, per_block, budget) if budget > 0 else {g: 0 for g in per_block}
+        out[f"kv_budget_bytes_{key}"] = budget
+        out[f"kv_blocks_{key}"] = blocks
+        out[f"kv_tokens_{key}"] = {g: n * bs for g, n in blocks.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fastdeploy.tools.plan", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="a DeepSeek-V3-architecture config.json")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--gpu-memory-gib", type=float, required=True)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    a = ap.parse_args(argv)
+    with open(a.config, encoding="utf-8") as f:
+        raw = json.load(f)
+    try:
+        fd = FDConfig(
+            ModelConfig.from_dict(raw),
+            CacheConfig(
+                block_size=a.block_size,
+                gpu_memory_utilization=a.gpu_memory_utilization,
+                kv_cache_dtype=a.kv_cache_dtype,
+            ),
+            SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
+            ParallelConfig(tensor_parallel_size=a.tensor_parallel_size),
+        )
+    except ValueError as e:
+        ap.error(str(e))
+    fp8 = (raw.get("quantization_config") or {}).get("quant_method") == "fp8"
+    res = plan(fd, a.dtype, a.gpu_memory_gib * 2**30, fp8)
+    gb = lambda x: f"{x / 2**30:.1f} GiB"  # noqa: E731
+    print(
+        f"tensor_parallel_size {res['tensor_parallel_size']}, per rank, {a.gpu_memory_gib:g} GiB x "
+        f"{a.gpu_memory_utilization:g}:"
+    )
+    print(f"  weights as held ({a.dtype}): {gb(res['weights_held_bytes'])}")
+    if fp8:
+        print(f"  weights as stored (FP8 e4m3 + block scales): {gb(res['weights_fp8_bytes'])}")
+    print("  KV bytes per token: " + ", ".join(f"{g} {b}" for g, b in res["kv_bytes_per_token"].items()))
+    for key, label in (("held", f"{a.dtype} weights"), ("fp8", "FP8 weights")):
+        if f"kv_budget_bytes_{key}" not in res:
+            continue
+        budget = res[f"kv_budget_bytes_{key}"]
+        if budget <= 0:
+            print(f"  with {label}: does not fit ({gb(-budget)} short before any KV cache)")
+            continue
+        toks = ", ".join(f"{g} {n}" for g, n in res[f"kv_tokens_{key}"].items())
+        print(f"  with {label}: KV budget {gb(budget)}, tokens of KV per pool: {toks}")
+
+
+if __name__ == "__main__":
+    main()

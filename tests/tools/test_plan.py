@@ -1,0 +1,42 @@
+"""The memory planner against what the runner really allocates for the tiny model."""
+
+import json
+import math
+
+import paddle
+
+from fastdeploy import LLM
+from fastdeploy.config import KernelConfig
+from fastdeploy.distributed.parallel import TPGroup
+from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
+from fastdeploy.tools import plan as planner
+from fastdeploy.worker.gpu_model_runner import CPU_KV_CACHE_BYTES
+
+
+def nbytes(t: paddle.Tensor) -> int:
+    return math.prod(t.shape) * t.element_size()
+
+
+def test_planner_matches_the_runner(tiny_model_dir, capsys):
+    llm = LLM(model=tiny_model_dir, block_size=16, max_model_len=256)
+    runner = llm.engine.runner
+    fd = runner.fd
+    held = sum(nbytes(p) for p in runner.model.parameters())
+    memory = (CPU_KV_CACHE_BYTES + held) / fd.cache_config.gpu_memory_utilization  # the runner's CPU budget
+    res = planner.plan(fd, "float32", memory)
+    assert res["weights_held_bytes"] == held
+    assert res["kv_blocks_held"] == runner.num_blocks
+    groups = fd.model_config.kv_cache_groups
+    for g, layers in groups.items():  # bytes a token x tokens = the cache tensors of the group
+        allocated = sum(nbytes(runner.caches[i]) for i in layers)
+        assert res["kv_bytes_per_token"][g] * res["kv_tokens_held"][g] == allocated
+    # TP 2: rank 0's planned weights are those of a real rank-0 shard
+    rank0 = DeepseekV3ForCausalLM(fd.model_config, "float32", KernelConfig(), TPGroup(rank=0, world_size=2))
+    assert planner.weight_bytes(fd, "float32", 2, False)["held"] == sum(nbytes(p) for p in rank0.parameters())
+    cfg = json.load(open(f"{tiny_model_dir}/config.json"))
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    path = f"{tiny_model_dir}/../plan_config.json"
+    json.dump(cfg, open(path, "w"))
+    planner.main(["--config", path, "--tensor-parallel-size", "2", "--gpu-memory-gib", "1", "--dtype", "float32"])
+    out = capsys.readouterr().out
+    assert "weights as held (float32)" in out and "FP8 e4m3" in out and "tokens of KV per pool: full" in out
