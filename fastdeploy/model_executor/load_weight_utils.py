@@ -52,7 +52,7 @@ def dequant_fp8_block(codes: np.ndarray, scale_inv: np.ndarray, name: str) -> np
     return E4M3_TO_F32[codes] * full
 
 
-def _fp8_slice(scale_inv: SafeTensorsFile, s: str, shard: tuple | None, rank: int) -> np.ndarray:
+def fp8_block_scales(scale_inv: SafeTensorsFile, s: str, shard: tuple | None, rank: int) -> np.ndarray:
     """The block scales covering this rank's slice; the slice must start and end on 128-blocks."""
     if shard is None:
         return scale_inv.get(s)
@@ -96,13 +96,14 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
         if shard is not None:
             expected[shard[0]] = shard[3]
         if list(f.shape(k)) != expected:
-            raise CheckpointError(f"tensor {k} has shape {list(f.shape(k))}, the model expects {expected}")
+            where = f" (tensor-parallel rank {rank})" if shard is not None and shard[3] != shard[2] - shard[1] else ""
+            raise CheckpointError(f"tensor {k} has shape {list(f.shape(k))}, the model expects {expected}{where}")
         x = f.get(k) if shard is None else f.get(k, *shard[:3])
         if f.dtype(k) == "F8_E4M3":
             s = k + "_scale_inv"
             if s not in sources:
                 raise CheckpointError(f"FP8 tensor {k} has no {s}")
-            x = dequant_fp8_block(x, _fp8_slice(sources[s], s, shard, rank), k)
+            x = dequant_fp8_block(x, fp8_block_scales(sources[s], s, shard, rank), k)
         p.set_value(paddle.to_tensor(x.astype(np.float32)).astype(p.dtype))
     for layer in model.sublayers(include_self=True):  # weights derived from the loaded ones
         hook = getattr(layer, "process_weights_after_loading", None)

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 from model_harness import Harness, assert_close_with_routing_flips, rel
 
-from fastdeploy.model_executor.load_weight_utils import CheckpointError, checkpoint_files, dequant_fp8_block
+from fastdeploy.config import KernelConfig, ModelConfig
+from fastdeploy.distributed.parallel import TPGroup
+from fastdeploy.model_executor.load_weight_utils import (
+    CheckpointError,
+    checkpoint_files,
+    dequant_fp8_block,
+    fp8_block_scales,
+    load_weights,
+)
+from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.model_executor.models.deepseek_v3_reference import forward, load_np
 from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, SafeTensorsFile, save_file
 from fastdeploy.tools.make_tiny_model import make_tiny_model
@@ -132,3 +141,34 @@ def test_empty_dir_and_bad_scale_shape(tmp_path):
         dequant_fp8_block(np.zeros((130, 10), np.uint8), np.ones((1, 1), np.float32), "w")
     got = dequant_fp8_block(np.full((130, 10), 0x38, np.uint8), np.array([[2.0], [3.0]], np.float32), "w")
     assert got[0, 0] == 2.0 and got[129, 9] == 3.0
+
+
+def test_fp8_tensors_split_at_128_blocks(base_dir, tmp_path, rng):
+    """Under TP an FP8 tensor's slice takes the block scales that cover it; a slice that cuts a
+    128-block is an error naming the tensor and the rank."""
+    w = rng.standard_normal((256, 384)).astype(np.float32)
+    codes, s = fp8_quantize(w)
+    path = str(tmp_path / "w.safetensors")
+    save_file(path, {"w": ("F8_E4M3", codes), "w_scale_inv": ("F32", s)})
+    f = SafeTensorsFile(path)
+    full = dequant_fp8_block(codes, s, "w")
+    for shard, want in (((0, 128, 256, 256), full[128:]), ((1, 128, 384, 384), full[:, 128:])):
+        got = dequant_fp8_block(f.get("w", *shard[:3]), fp8_block_scales(f, "w_scale_inv", shard, 1), "w")
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(CheckpointError, match=r"FP8 tensor w: rank 1's slice \[64, 128\) of dim 1"):
+        fp8_block_scales(f, "w_scale_inv", (1, 64, 128, 384), 1)
+    # the tiny model at TP 2: o_proj's input (4 heads x 32) splits at 64, inside a block
+    d = str(tmp_path / "fp8")
+    copy_meta(base_dir, d)
+    out = {}
+    for k, (dt, x) in read_all(base_dir).items():
+        if x.ndim == 2 and "proj" in k:
+            c, sc = fp8_quantize(x)
+            out[k], out[k + "_scale_inv"] = ("F8_E4M3", c), ("F32", sc)
+        else:
+            out[k] = (dt, x)
+    save_file(os.path.join(d, "model.safetensors"), out)
+    cfg = ModelConfig.from_pretrained(d)
+    model = DeepseekV3ForCausalLM(cfg, "float32", KernelConfig(), TPGroup(rank=0, world_size=2))
+    with pytest.raises(CheckpointError, match=r"o_proj.weight: rank 0's slice \[0, 64\) of dim 1 does not fall on 128"):
+        load_weights(model, d, cfg.num_hidden_layers, show_progress=False)
