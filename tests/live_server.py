@@ -25,7 +25,7 @@ class LiveServer:
     def __init__(self, engine: AsyncLLMEngine, **kw) -> None:
         self.engine = engine
         port = free_port()
-        app = api_server.build_app(engine, "tiny-mla-swa", **kw)
+        self.app = app = api_server.build_app(engine, "tiny-mla-swa", **kw)
         self.srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.srv.run, daemon=True)
         self.thread.start()

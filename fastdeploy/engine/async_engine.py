@@ -116,7 +116,11 @@ class AsyncLLMEngine:
             while not self.stopped:
                 reqs, aborts = self._take_pending()
                 for req in reqs:
-                    self.engine.enqueue(req)
+                    try:
+                        self.engine.enqueue(req)
+                    except ValueError as e:  # e.g. a request id already in use: that request only
+                        with self.lock:
+                            self._deliver(e, req.request_id)
                 for rid, _ in aborts:
                     self.engine.abort_request(rid)
                     logger.info("aborted request %s", rid)

@@ -75,7 +75,7 @@ class LLMEngine:
             self.watchdog = RankWatchdog(
                 self.tp.workers, lambda: self.runner.step_started, pc.dist_timeout, self._rank_failed
             )
-        atexit.register(self.shutdown)
+            atexit.register(self.shutdown)  # the workers end with this process
         sc = self.config.scheduler_config
         check_kv_capacity(self.runner.num_blocks, self.runner.block_size, sc.max_model_len, self.config)
         self.block_manager = BlockManager(

@@ -22,11 +22,16 @@ CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def live():
+def server():
     eng = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE)))
-    server = LiveServer(eng, max_request_bytes=LIMIT)
-    yield server.base, eng
-    server.close()
+    s = LiveServer(eng, max_request_bytes=LIMIT)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def live(server):
+    return server.base, server.engine
 
 
 GREEDY = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
@@ -398,3 +403,17 @@ def test_n_samples_share_the_prompt_blocks(live):
     ]
     assert [c["text"] for c in r["choices"]] == alone  # sample k is the request with seed + k
     wait_idle(base)
+
+
+def test_a_bug_in_a_handler_is_an_openai_shaped_500(server, monkeypatch):
+    srv = server.app.server
+
+    def broken(body, rid):
+        raise RuntimeError("a handler bug")
+
+    monkeypatch.setattr(srv, "_prepare_completion", broken)
+    r = httpx.post(server.base + CMPL, json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
+    assert "a handler bug" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert httpx.post(server.base + CMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200

@@ -258,6 +258,8 @@ class OpenAIServer:
                 sent_text, sent_tok = end, len(c.token_ids)
         except (EngineDeadError, ServerDrainingError) as e:
             raise APIError(503, str(e), None, "service_unavailable") from None
+        except ValueError as e:  # the engine refused the request (e.g. its id is in use)
+            raise APIError(400, str(e), _param_of(str(e))) from None
 
     # ------------------------------------------------------------ formatting
 
@@ -467,6 +469,11 @@ def build_app(
         if kind == "extra_forbidden":
             msg = "unknown field (not supported by this server)"
         return JSONResponse(error_body(f"{field}: {msg}", field), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception):  # a bug of ours: still an OpenAI-shaped body
+        logger.exception("unhandled error in a request")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", kind="internal_server_error"), 500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
