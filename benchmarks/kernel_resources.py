@@ -29,6 +29,9 @@ from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     mla_fp8_cache_kernel as fp8,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
+    mla_prefill_kernel as prefill,
+)
+from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     sparse_mla_kernel as sparse,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
@@ -116,6 +119,22 @@ def cases():
         }
         opts = {"num_warps": tuned["num_warps"], "num_stages": tuned["num_stages"]}
         yield f"sparse_mla h{bh} n{bn}", sparse._sparse_mla_kernel, sig, const, opts
+    yield (
+        "mla_prefill",
+        prefill._mla_prefill_kernel,
+        {
+            **{n: "*bf16" for n in ("Q", "K", "KR", "V", "Out")},
+            **{n: "*i32" for n in ("CuQ", "CuK", "QStart", "KStart")},
+            "scale": "fp32",
+            "window": "i32",
+            **{n: "i32" for n in ("sq_t", "sq_h", "sk_s", "sk_h", "skr_s", "sv_s", "sv_h", "so_t", "so_h")},
+            "BLOCK_M": "constexpr",
+            "BLOCK_N": "constexpr",
+            "DOT_BF16": "constexpr",
+        },
+        {"BLOCK_M": 64, "BLOCK_N": 64, "DOT_BF16": True},
+        {"num_warps": 4, "num_stages": 2},
+    )
     yield (
         "sparse_mla_combine",
         sparse._combine_kernel,

@@ -1,0 +1,89 @@
+"""MLA prefill in MHA form: the paddle wrapper of ``mla_prefill_kernel.py`` and the paddle
+reference beside it (docs/design.md §4.7). Shapes and the window rule are in the kernel's module
+docstring."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from fastdeploy.model_executor.ops.triton_ops.mla_prefill_kernel import D_NOPE, D_ROPE, D_V, launch_mla_prefill
+
+
+def _check(q: paddle.Tensor, k: paddle.Tensor, k_rope: paddle.Tensor, v: paddle.Tensor) -> None:
+    H = q.shape[1]
+    if q.ndim != 3 or q.shape[2] != D_NOPE + D_ROPE:
+        raise ValueError(f"mla_prefill: q must be [T, H, 192], got {list(q.shape)}")
+    S = k.shape[0]
+    for name, x, want in (("k", k, [S, H, D_NOPE]), ("k_rope", k_rope, [S, D_ROPE]), ("v", v, [S, H, D_V])):
+        if list(x.shape) != want:
+            raise ValueError(f"mla_prefill: {name} must be {want}, got {list(x.shape)}")
+
+
+def mla_prefill_attention(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    k_rope: paddle.Tensor,
+    v: paddle.Tensor,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    q_start: np.ndarray,
+    k_start: np.ndarray,
+    softmax_scale: float,
+    window: int = 0,
+) -> paddle.Tensor:
+    """The Triton kernel: out [T, H, 128] in q's dtype. The host arrays are int [B + 1] / [B]."""
+    _check(q, k, k_rope, v)
+    out = paddle.empty([q.shape[0], q.shape[1], D_V], dtype=q.dtype)
+    t = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
+    max_q = int(np.diff(cu_seqlens_q).max()) if len(cu_seqlens_q) > 1 else 0
+    launch_mla_prefill(
+        q.contiguous(),
+        k.contiguous(),
+        k_rope.contiguous(),
+        v.contiguous(),
+        out,
+        t(cu_seqlens_q),
+        t(cu_seqlens_k),
+        t(q_start),
+        t(k_start),
+        softmax_scale,
+        window,
+        max_q,
+    )
+    return out
+
+
+def mla_prefill_ref(
+    q: paddle.Tensor,
+    k: paddle.Tensor,
+    k_rope: paddle.Tensor,
+    v: paddle.Tensor,
+    cu_seqlens_q: np.ndarray,
+    cu_seqlens_k: np.ndarray,
+    q_start: np.ndarray,
+    k_start: np.ndarray,
+    softmax_scale: float,
+    window: int = 0,
+) -> paddle.Tensor:
+    """Paddle reference in float32, one request at a time (keys a query may not see are never read)."""
+    _check(q, k, k_rope, v)
+    outs = []
+    for b in range(len(cu_seqlens_q) - 1):
+        qs, qe, ks, ke = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]))
+        qpos = paddle.arange(qe - qs, dtype="int64") + int(q_start[b])
+        kpos = paddle.arange(ke - ks, dtype="int64") + int(k_start[b])
+        seen = kpos.unsqueeze(0) <= qpos.unsqueeze(1)
+        if window > 0:
+            seen = seen & (kpos.unsqueeze(0) > qpos.unsqueeze(1) - window)
+        qb = q[qs:qe].astype("float32")
+        kb, rb, vb = k[ks:ke].astype("float32"), k_rope[ks:ke].astype("float32"), v[ks:ke].astype("float32")
+        ok = seen.any(axis=0)  # keys no query of the request sees are zeroed, so NaN there cannot leak
+        kb, rb, vb = (
+            paddle.where(ok.reshape([-1] + [1] * (x.ndim - 1)), x, paddle.zeros_like(x)) for x in (kb, rb, vb)
+        )
+        s = paddle.einsum("thd,shd->hts", qb[:, :, :D_NOPE], kb) + paddle.einsum("thd,sd->hts", qb[:, :, D_NOPE:], rb)
+        s = paddle.where(seen.unsqueeze(0), s * softmax_scale, paddle.full_like(s, float("-inf")))
+        p = paddle.nn.functional.softmax(s, axis=-1)
+        outs.append(paddle.einsum("hts,shd->thd", p, vb).astype(q.dtype))
+    return paddle.concat(outs) if outs else paddle.empty([0, q.shape[1], D_V], q.dtype)

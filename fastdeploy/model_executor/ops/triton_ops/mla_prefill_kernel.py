@@ -1,0 +1,163 @@
+"""MLA prefill in MHA form (docs/design.md §4.7) as a Triton flash-attention kernel (paddle-free).
+
+Per request b of a varlen batch: queries q [n_b, H, 192] (128 nope + 64 rope) at absolute
+positions qstart_b .. qstart_b + n_b - 1; keys k [m_b, H, 128] with one rope part k_rope [m_b, 64]
+shared by the heads, values v [m_b, H, 128], at positions kstart_b .. kstart_b + m_b - 1 (the
+request's keys in view: the cached context, or only the window, then the chunk's own tokens).
+Query p sees key positions [p - W + 1, p] (W <= 0: [0, p]). out [T, H, 128]:
+softmax((q_nope . k + q_rope . k_rope) * scale) . v, online over 2-D tiles of BLOCK_M queries and
+BLOCK_N keys, float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode, launch, stride
+
+D_NOPE, D_ROPE, D_V = 128, 64, 128
+
+
+@triton.jit
+def _mla_prefill_kernel(
+    Q,
+    K,
+    KR,
+    V,
+    Out,
+    CuQ,
+    CuK,
+    QStart,
+    KStart,
+    scale,
+    window,
+    sq_t,
+    sq_h,
+    sk_s,
+    sk_h,
+    skr_s,
+    sv_s,
+    sv_h,
+    so_t,
+    so_h,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    h = tl.program_id(2)
+    q_lo = tl.load(CuQ + b)
+    n = tl.load(CuQ + b + 1) - q_lo
+    if tile * BLOCK_M >= n:
+        return
+    k_lo = tl.load(CuK + b)
+    m = tl.load(CuK + b + 1) - k_lo
+    p0 = tl.load(QStart + b)
+    kp0 = tl.load(KStart + b)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < n
+    qpos = p0 + rows
+    dn = tl.arange(0, 128)
+    dr = tl.arange(0, 64)
+    q_ptr = Q + (q_lo + rows)[:, None] * sq_t + h * sq_h
+    qn = tl.load(q_ptr + dn[None, :], mask=row_ok[:, None], other=0.0)
+    qr = tl.load(q_ptr + 128 + dr[None, :], mask=row_ok[:, None], other=0.0)
+    if not DOT_BF16:  # the interpreter gets bf16 arithmetic wrong
+        qn = qn.to(tl.float32)
+        qr = qr.to(tl.float32)
+
+    # keys any query of this tile can see: positions [first - W + 1, last]
+    first = p0 + tile * BLOCK_M
+    last = p0 + tl.minimum(tile * BLOCK_M + BLOCK_M, n) - 1
+    lo_pos = tl.where(window > 0, first - window + 1, kp0)
+    j_lo = tl.maximum(lo_pos - kp0, 0)
+    j_hi = tl.minimum(last - kp0 + 1, m)
+    j_start = (j_lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, 128], tl.float32)
+    for start in range(j_start, j_hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        kpos = kp0 + cols
+        in_tile = (cols >= j_lo) & (cols < j_hi)  # seen by some query of the tile; others may hold NaN
+        kn = tl.load(K + (k_lo + cols)[:, None] * sk_s + h * sk_h + dn[None, :], mask=in_tile[:, None], other=0.0)
+        kr = tl.load(KR + (k_lo + cols)[:, None] * skr_s + dr[None, :], mask=in_tile[:, None], other=0.0)
+        v = tl.load(V + (k_lo + cols)[:, None] * sv_s + h * sv_h + dn[None, :], mask=in_tile[:, None], other=0.0)
+        if not DOT_BF16:
+            kn = kn.to(tl.float32)
+            kr = kr.to(tl.float32)
+            v = v.to(tl.float32)
+        s = (tl.dot(qn, tl.trans(kn)) + tl.dot(qr, tl.trans(kr))) * scale
+        seen = (kpos[None, :] <= qpos[:, None]) & in_tile[None, :]
+        seen = seen & ((window <= 0) | (kpos[None, :] > qpos[:, None] - window))
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p.to(v.dtype) if DOT_BF16 else p
+        acc = acc * alpha[:, None] + tl.dot(pv, v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + (q_lo + rows)[:, None] * so_t + h * so_h + dn[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None]
+    )
+
+
+def launch_mla_prefill(
+    q,
+    k,
+    k_rope,
+    v,
+    out,
+    cu_q,
+    cu_k,
+    q_start,
+    k_start,
+    softmax_scale: float,
+    window: int,
+    max_q: int,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
+    """q [T, H, 192], k [S, H, 128], k_rope [S, 64], v [S, H, 128] -> out [T, H, 128] (written);
+    cu_q / cu_k int32 [B + 1], q_start / k_start int32 [B] (positions of each request's first query
+    / key); window <= 0 for full causal attention; max_q the longest request's query count."""
+    B, H = cu_q.shape[0] - 1, q.shape[1]
+    grid = (B, triton.cdiv(max(max_q, 1), block_m), H)
+    launch(
+        _mla_prefill_kernel,
+        grid,
+        q,
+        k,
+        k_rope,
+        v,
+        out,
+        cu_q,
+        cu_k,
+        q_start,
+        k_start,
+        softmax_scale,
+        window,
+        stride(q, 0),
+        stride(q, 1),
+        stride(k, 0),
+        stride(k, 1),
+        stride(k_rope, 0),
+        stride(v, 0),
+        stride(v, 1),
+        stride(out, 0),
+        stride(out, 1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_BF16=not interpret_mode(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
