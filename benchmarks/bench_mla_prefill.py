@@ -39,7 +39,7 @@ def ceiling() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def case(C: int, H: int, W: int, ctx: int, g: torch.Generator) -> dict:
+def case(C: int, H: int, W: int, ctx: int, g: torch.Generator, cfg: dict | None = None) -> dict:
     S = W - 1 + C
     r = lambda *s: torch.randn(*s, device=DEV, dtype=torch.bfloat16, generator=g)  # noqa: E731
     q, latent, kr = r(C, H, 192), r(S, 512), r(S, 64)
@@ -55,12 +55,14 @@ def case(C: int, H: int, W: int, ctx: int, g: torch.Generator) -> dict:
     i32 = lambda x: torch.tensor(x, device=DEV, dtype=torch.int32)  # noqa: E731
     cu_q, cu_k, qs, ks = i32([0, C]), i32([0, S]), i32([ctx]), i32([ctx - W + 1])
 
+    cfg = cfg or {}
+
     def ours():
-        launch_mla_prefill(q, k, kr, v, out, cu_q, cu_k, qs, ks, SCALE, W, C)
+        launch_mla_prefill(q, k, kr, v, out, cu_q, cu_k, qs, ks, SCALE, W, C, **cfg)
 
     def ours_all_in():
         kk, vv = decompress()
-        launch_mla_prefill(q, kk, kr, vv, out, cu_q, cu_k, qs, ks, SCALE, W, C)
+        launch_mla_prefill(q, kk, kr, vv, out, cu_q, cu_k, qs, ks, SCALE, W, C, **cfg)
 
     ours()
     # float32 reference on the last 64 queries
@@ -75,7 +77,11 @@ def case(C: int, H: int, W: int, ctx: int, g: torch.Generator) -> dict:
 
     visible = sum(min(W, ctx + i + 1) for i in range(C))
     flops = 2 * H * visible * (192 + 128)
-    row = {"C": C, "H": H, "W": W, "rel_err": err, "correct": err < 2e-2}
+    row = {"C": C, "H": H, "W": W, "config": cfg, "rel_err": err, "correct": err < 2e-2}
+    if cfg:  # a sweep row: the kernel only
+        row["ours_ms"] = bench(ours)
+        row["ours_tflops"] = flops / row["ours_ms"] / 1e9
+        return row
     row["ours_ms"] = bench(ours)
     row["ours_all_in_ms"] = bench(ours_all_in)
     row["ours_tflops"] = flops / row["ours_ms"] / 1e9
@@ -105,8 +111,31 @@ def case(C: int, H: int, W: int, ctx: int, g: torch.Generator) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true", help="tile configs on the W 4096 cases instead")
     args = ap.parse_args()
     g = torch.Generator(device=DEV).manual_seed(0)
+    if args.sweep:
+        rows = []
+        for H in (128, 16):
+            for bm, bn, nw, ns in (
+                (64, 64, 4, 2),
+                (64, 64, 4, 3),
+                (128, 64, 8, 2),
+                (128, 64, 8, 3),
+                (128, 128, 8, 2),
+                (64, 128, 4, 2),
+                (128, 32, 4, 3),
+            ):
+                cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                try:
+                    rows.append(case(4096, H, 4096, 4096, g, cfg))
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    rows.append({"H": H, "config": cfg, "error": repr(e)[:200]})
+                print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     res = {"device": torch.cuda.get_device_name(), "bf16_matmul_tflops": ceiling(), "rows": []}
     for H in (128, 16):
         for W in (128, 1024, 4096):

@@ -132,8 +132,8 @@ def cases():
             "BLOCK_N": "constexpr",
             "DOT_BF16": "constexpr",
         },
-        {"BLOCK_M": 64, "BLOCK_N": 64, "DOT_BF16": True},
-        {"num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "DOT_BF16": True},
+        {"num_warps": 8, "num_stages": 3},
     )
     yield (
         "sparse_mla_combine",

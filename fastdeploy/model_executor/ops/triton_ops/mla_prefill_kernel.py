@@ -109,6 +109,16 @@ def _mla_prefill_kernel(
     )
 
 
+def tuned_config(window: int) -> dict:
+    """H200 (2026-12-02, C = 4096): windows of 2048 and more (or none) take 128 queries x 64 keys on
+    8 warps with 3 stages (W 4096, 128 heads: 4.67 ms vs 4.88 for the small tile); smaller windows
+    take 64 x 64 on 4 warps with 2 stages, where the big tile wastes work on masked keys
+    (W 128: 0.32 ms vs 0.43)."""
+    if 0 < window < 2048:
+        return {"block_m": 64, "num_warps": 4, "num_stages": 2}
+    return {"block_m": 128, "num_warps": 8, "num_stages": 3}
+
+
 def launch_mla_prefill(
     q,
     k,
@@ -122,14 +132,19 @@ def launch_mla_prefill(
     softmax_scale: float,
     window: int,
     max_q: int,
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """q [T, H, 192], k [S, H, 128], k_rope [S, 64], v [S, H, 128] -> out [T, H, 128] (written);
     cu_q / cu_k int32 [B + 1], q_start / k_start int32 [B] (positions of each request's first query
-    / key); window <= 0 for full causal attention; max_q the longest request's query count."""
+    / key); window <= 0 for full causal attention; max_q the longest request's query count.
+    Default tile by window (``tuned_config``)."""
+    tuned = tuned_config(window)
+    block_m = block_m or tuned["block_m"]
+    num_warps = num_warps or tuned["num_warps"]
+    num_stages = num_stages or tuned["num_stages"]
     B, H = cu_q.shape[0] - 1, q.shape[1]
     grid = (B, triton.cdiv(max(max_q, 1), block_m), H)
     launch(
