@@ -67,6 +67,7 @@ def case(C: int, H: int, W: int, ctx: int, g: torch.Generator, cfg: dict | None 
     ours()
     # float32 reference on the last 64 queries
     qi = torch.arange(C - 64, C, device=DEV)
+    qi_all = torch.arange(C, device=DEV)
     qpos, kpos = ctx + qi, ctx - W + 1 + torch.arange(S, device=DEV)
     seen = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W)
     kf = torch.cat([k.float(), kr.float()[:, None, :].expand(S, H, 64)], -1)
@@ -86,6 +87,35 @@ def case(C: int, H: int, W: int, ctx: int, g: torch.Generator, cfg: dict | None 
     row["ours_all_in_ms"] = bench(ours_all_in)
     row["ours_tflops"] = flops / row["ours_ms"] / 1e9
 
+    try:  # FlashMLA's sparse prefill: the absorbed form over the same window, as the SWA path runs it today
+        import flash_mla
+
+        hp = 64 if H <= 64 else 128
+        q_abs = torch.cat([torch.einsum("thd,hdc->thc", q[:, :, :128], w_uk), q[:, :, 128:]], -1)
+        q_abs = torch.cat([q_abs, q_abs.new_zeros(C, hp - H, 576)], 1) if hp != H else q_abs.contiguous()
+        cache = torch.cat([latent, kr], -1)  # [S, 576] bf16: the keys in view, de-quantized
+        pool = torch.cat([cache, r(2 * S, 576)])[torch.randperm(3 * S, device=DEV, generator=g)]  # a paged cache
+        where = torch.argsort(torch.randperm(3 * S, device=DEV, generator=g))[:S]
+        pool[where] = cache
+        topk = -(-W // 128) * 128
+        t = torch.arange(topk, device=DEV)[None]
+        idx = torch.where(t < W, qi_all[:, None] + t, -1)  # query i sees keys i .. i + W - 1 of the view
+        idx = idx.to(torch.int32)[:, None, :].contiguous()
+        kv = cache[:, None, :].contiguous()
+
+        def flashmla():
+            return flash_mla.flash_mla_sparse_fwd(q_abs, kv, idx, SCALE, 512)
+
+        def flashmla_gather():  # the window's rows gathered from the paged cache first
+            g_kv = pool.index_select(0, where)[:, None, :]
+            return flash_mla.flash_mla_sparse_fwd(q_abs, g_kv, idx, SCALE, 512)
+
+        fo = torch.einsum("thc,hdc->thd", flashmla()[0][:, :H].float(), w_uv.float())
+        row["flashmla_rel_err"] = ((fo[qi] - want).norm() / want.norm()).item()
+        row["flashmla_ms"] = bench(flashmla)
+        row["flashmla_gather_ms"] = bench(flashmla_gather)
+    except Exception as e:  # noqa: BLE001 - reported, the rest still runs
+        row["flashmla_error"] = repr(e)[:300]
     try:  # FlexAttention, MHA form, the same window
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
