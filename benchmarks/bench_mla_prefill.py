@@ -175,12 +175,19 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
     print(f"bf16 matmul ceiling {res['bf16_matmul_tflops']:.0f} TFLOP/s")
-    print(f"{'H':>4} {'W':>5} {'ok':>3} {'ours ms':>8} {'all in':>7} {'TFLOP/s':>8} {'flex ms':>8} {'flex TF/s':>9}")
+    head = ("H", "W", "ok", "ours ms", "all in", "TFLOP/s", "flex ms", "FlashMLA", "+gather")
+    print(" ".join(f"{h:>9}" for h in head))
+    nan = float("nan")
     for r in res["rows"]:
-        print(
-            f"{r['H']:4} {r['W']:5} {'y' if r['correct'] else 'N':>3} {r['ours_ms']:8.3f} {r['ours_all_in_ms']:7.3f} "
-            f"{r['ours_tflops']:8.1f} {r.get('flex_ms', float('nan')):8.3f} {r.get('flex_tflops', float('nan')):9.1f}"
+        vals = (
+            r["ours_ms"],
+            r["ours_all_in_ms"],
+            r["ours_tflops"],
+            r.get("flex_ms", nan),
+            r.get("flashmla_ms", nan),
+            r.get("flashmla_gather_ms", nan),
         )
+        print(f"{r['H']:9} {r['W']:9} {'y' if r['correct'] else 'N':>9} " + " ".join(f"{v:9.3f}" for v in vals))
 
 
 if __name__ == "__main__":
