@@ -67,17 +67,17 @@ class Request:
         rng = np.random.default_rng(sp.seed) if sp.seed is not None else None
         banned = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(self.eos_token_ids))
         self.sampling_state = SamplingState(
-            sp.temperature,
-            sp.top_p,
-            sp.top_k,
-            sp.logprobs,
-            rng,
-            sp.presence_penalty,
-            sp.frequency_penalty,
-            sp.repetition_penalty,
-            sp.logit_bias,
-            sp.min_tokens,
-            banned,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            logprobs=sp.logprobs,
+            rng=rng,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=sp.logit_bias,
+            min_tokens=sp.min_tokens,
+            min_tokens_stop_ids=banned,
         )
 
     @property

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -57,3 +63,67 @@ def wait_idle(base: str, timeout: float = 30) -> None:
             return
         time.sleep(0.05)
     raise AssertionError("requests still hold KV blocks")
+
+
+class ServerProcess:
+    """``python -m fastdeploy.entrypoints.openai.api_server ARGS`` (or ``python -c CODE ARGS``)
+    in a process group of its own, so ``close`` reaches the workers it starts too."""
+
+    def __init__(self, *args: str, code: str | None = None) -> None:
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        head = ["-c", code] if code else ["-m", "fastdeploy.entrypoints.openai.api_server"]
+        self.log = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, *head, "--port", str(port), *args]
+        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, text=True, start_new_session=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.base + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+            assert self.p.poll() is None, self.stderr()
+        raise AssertionError("server did not start")
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def group_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-g", str(self.p.pid)], capture_output=True, text=True).stdout.split()
+        return [int(x) for x in out]
+
+    def stream_in_background(self, n: int, max_tokens: int) -> list[dict]:
+        """n streaming completions in threads (``self.threads``); each records its events, whether
+        ``data: [DONE]`` came, or the transport error. Returns once every stream has an event."""
+        results = [{"events": [], "done": False} for _ in range(n)]
+
+        def run(res):
+            body = {"prompt": "go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", self.base + "/v1/completions", json=body, timeout=120) as r:
+                    res["status"] = r.status_code
+                    for line in r.iter_lines():
+                        if line == "data: [DONE]":
+                            res["done"] = True
+                        elif line.startswith("data: "):
+                            res["events"].append(json.loads(line[6:]))
+            except httpx.HTTPError as e:
+                res["transport_error"] = repr(e)
+
+        self.threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in results]
+        for t in self.threads:
+            t.start()
+        deadline = time.time() + 30
+        while sum(len(r["events"]) > 0 for r in results) < n and time.time() < deadline:
+            time.sleep(0.05)
+        return results
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.p.wait(timeout=30)
+        self.log.close()

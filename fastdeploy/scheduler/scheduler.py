@@ -75,9 +75,9 @@ class Scheduler:
                 budget -= n
         budget = self.config.max_num_batched_tokens - out.num_tokens
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if out.preempted:
-                break
+        while (
+            i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
+        ):
             req = self.waiting[i]
             if self._waits_for_sibling(req):
                 i += 1

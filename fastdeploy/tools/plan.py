@@ -22,10 +22,9 @@ import paddle
 
 from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from fastdeploy.distributed.parallel import TPGroup
+from fastdeploy.model_executor.load_weight_utils import FP8_BLOCK
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, plan_kv_blocks
-
-FP8_BLOCK = 128
 
 
 def _itemsize(dtype: str) -> int:

@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from live_server import free_port
+from live_server import ServerProcess
 
 from fastdeploy import LLM
 from fastdeploy.config import KernelConfig, ModelConfig
@@ -121,53 +120,13 @@ def test_indivisible_config_is_named():
 # ---------------------------------------------------------------- the server
 
 
-class Proc:
-    def __init__(self, *extra: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "fastdeploy.entrypoints.openai.api_server",
-            "--port",
-            str(self.port),
-            "--block-size",
-            "16",
-            "--num-gpu-blocks-override",
-            "64",
-            "--max-model-len",
-            "256",
-            "--log-level",
-            "warning",
-            *extra,
-        ]
-        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.base + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-            assert self.p.poll() is None
-        raise AssertionError("server did not start")
-
-    def group_pids(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-g", str(self.p.pid)], capture_output=True, text=True).stdout.split()
-        return [int(x) for x in out]
-
-    def close(self) -> None:
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.p.wait(timeout=30)
+FLAGS = ("--block-size", "16", "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--log-level", "warning")
 
 
 @pytest.fixture
 def procs():
     made = []
-    yield lambda *a: made.append(Proc(*a)) or made[-1]
+    yield lambda *a: made.append(ServerProcess(*FLAGS, *a)) or made[-1]
     for p in made:
         p.close()
 
@@ -196,37 +155,17 @@ def test_server_tp2_serves_like_tp1(procs):
     assert results[2] == results[1] and results[2][1] == 12
 
 
-def stream_in_background(base: str, result: dict) -> threading.Thread:
-    def run():
-        body = {"prompt": "go", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
-                result["status"] = r.status_code
-                result["lines"] = [line for line in r.iter_lines() if line]
-        except httpx.HTTPError as e:
-            result["error"] = repr(e)
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    return th
-
-
 @pytest.mark.parametrize("how", ["kill", "stop"])  # a rank that dies / one that stops answering
 def test_a_failed_worker_stops_the_driver(procs, how):
     s = procs("--tensor-parallel-size", "2", "--dist-timeout", "3")
     (worker,) = [p for p in s.group_pids() if p != s.p.pid]
-    result: dict = {}
-    th = stream_in_background(s.base, result)
-    deadline = time.time() + 20
-    while "status" not in result and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)  # mid-generation
+    (stream,) = s.stream_in_background(1, max_tokens=200)  # returns mid-generation
     os.kill(worker, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     t0 = time.time()
     assert s.p.wait(timeout=30) == 1 and time.time() - t0 < 3 + 10  # dist_timeout plus the answer grace
-    th.join(timeout=10)
-    lines = result.get("lines", [])
-    assert "error" in result or any('"error"' in x for x in lines), lines[-3:]  # the stream was told
+    s.threads[0].join(timeout=10)
+    told = "transport_error" in stream or any("error" in e for e in stream["events"])
+    assert told, stream["events"][-3:]  # the stream was told
     time.sleep(0.5)
     assert s.group_pids() == []  # the driver killed its worker: no process left behind
     r = None

@@ -1,16 +1,12 @@
 """The server as a process: bounded shutdown on SIGTERM, a second signal, and a non-zero exit when
 the engine thread dies. Every process is killed at the end, whatever happens."""
 
-import json
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import pytest
-from live_server import free_port
+from live_server import ServerProcess
 
 FLAGS = ["--block-size", "16", "--max-model-len", "512", "--num-gpu-blocks-override", "64", "--log-level", "warning"]
 # a scheduler that breaks on its 5th call: outside the per-request isolation, so the engine thread dies
@@ -29,59 +25,10 @@ DYING = (
 )
 
 
-class Server:
-    def __init__(self, *extra: str, code: str | None = None) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        head = ["-c", code] if code else ["-m", "fastdeploy.entrypoints.openai.api_server"]
-        cmd = [sys.executable, *head, "--port", str(self.port), *FLAGS, *extra]
-        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.base + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-            assert self.p.poll() is None, self.p.stderr.read()
-        raise AssertionError("server did not start")
-
-    def stream_in_background(self, n: int, max_tokens: int) -> list[dict]:
-        """n streaming requests in threads; each records its events and whether [DONE] came."""
-        results = [{"events": [], "done": False} for _ in range(n)]
-
-        def run(res):
-            body = {"prompt": "go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-            try:
-                with httpx.stream("POST", self.base + "/v1/completions", json=body, timeout=120) as r:
-                    res["status"] = r.status_code
-                    for line in r.iter_lines():
-                        if line == "data: [DONE]":
-                            res["done"] = True
-                        elif line.startswith("data: "):
-                            res["events"].append(json.loads(line[6:]))
-            except httpx.HTTPError as e:
-                res["transport_error"] = repr(e)
-
-        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in results]
-        for t in threads:
-            t.start()
-        deadline = time.time() + 30
-        while sum(len(r["events"]) for r in results) < n and time.time() < deadline:
-            time.sleep(0.05)  # every stream has started
-        self.threads = threads
-        return results
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-        self.p.wait(timeout=30)
-
-
 @pytest.fixture
 def servers():
     made = []
-    yield lambda *a, **k: made.append(Server(*a, **k)) or made[-1]
+    yield lambda *a, **k: made.append(ServerProcess(*FLAGS, *a, **k)) or made[-1]
     for s in made:
         s.close()
 
@@ -116,7 +63,7 @@ def test_second_signal_exits_at_once(servers):
     t0 = time.time()
     s.p.send_signal(signal.SIGINT)
     assert s.p.wait(timeout=10) == 0 and time.time() - t0 < 10
-    assert "Traceback" not in s.p.stderr.read()
+    assert "Traceback" not in s.stderr()
 
 
 def test_dead_engine_exits_non_zero(servers):
