@@ -70,6 +70,33 @@ def test_triton_split_kv(num_splits, rng):
     check(q, cache, idx, out, lse)
 
 
+@pytest.mark.parametrize("provider", ["triton", "reference"])
+@pytest.mark.parametrize("T, H, topk, num_splits", [(3, 16, 100, 1), (6, 64, 200, 1), (4, 16, 300, 3)])
+def test_bf16_latent_cache(provider, T, H, topk, num_splits, rng):
+    """A full layer's bf16 [..., 576] cache through the same kernel (CACHE_BF16); unused slots NaN."""
+    _, _, idx = make_case(rng, T, H, topk)
+    rows = rng.standard_normal((6 * 64, 576)) * rng.uniform(0.1, 4)
+    named = np.zeros(6 * 64, bool)
+    named[idx[idx >= 0]] = True
+    rows[~named] = np.nan
+    cache = paddle.to_tensor(rows.reshape(6, 64, 1, 576), "float32").astype("bfloat16")
+    q = paddle.to_tensor(rng.standard_normal((T, H, 576)), "float32").astype("bfloat16")
+    if provider == "triton":
+        out, lse = ops_sm.sparse_mla_triton(q, cache, paddle.to_tensor(idx), SCALE, num_splits=num_splits)
+    else:
+        out, lse = sm.sparse_mla_attention(q, cache, paddle.to_tensor(idx), SCALE, provider=provider)
+    kv = cache.astype("float32").numpy().reshape(-1, 576).astype(np.float64)
+    want, want_lse = sparse_mla_np(q.astype("float32").numpy(), kv, idx, SCALE)
+    got = out.astype("float32").numpy()
+    empty = ~(idx >= 0).any(-1)
+    err = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1), 1e-6)
+    assert (err[~empty] < 2e-2).all(), err.max()
+    assert (got[empty] == 0).all() and np.isinf(lse.numpy()[empty]).all()
+    np.testing.assert_allclose(lse.numpy()[~empty], want_lse[~empty], rtol=0, atol=1e-2)
+    with pytest.raises(ValueError, match="except for flashmla"):
+        sm.sparse_mla_attention(q, cache, paddle.to_tensor(idx), SCALE, provider="flashmla")
+
+
 def test_reference_chunks_and_empty(rng):
     q, cache, idx = make_case(rng, 9, 16, 64)
     out, lse = ops_sm.sparse_mla_reference(q, cache, paddle.to_tensor(idx), SCALE, chunk=4)

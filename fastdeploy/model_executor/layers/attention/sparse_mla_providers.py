@@ -32,12 +32,15 @@ def step_topk_multiple(provider: str) -> int:
     return max(topk_multiple(provider, False), topk_multiple(provider, True))
 
 
-def _check(q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor) -> None:
+def _check(q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor, provider: str) -> None:
     if q.ndim != 3 or q.shape[-1] != 576:
         raise ValueError(f"sparse_mla_attention: q must be [T, H, 576], got {list(q.shape)}")
-    if kv_cache.dtype != paddle.uint8 or kv_cache.shape[-1] != RECORD_BYTES:
+    records = kv_cache.dtype == paddle.uint8 and kv_cache.shape[-1] == RECORD_BYTES
+    latent = kv_cache.dtype != paddle.uint8 and kv_cache.shape[-1] == 576 and provider != "flashmla"
+    if not (records or latent):
         raise ValueError(
-            f"sparse_mla_attention: kv_cache must be uint8 [..., 656], got {kv_cache.dtype} {kv_cache.shape}"
+            "sparse_mla_attention: kv_cache must be uint8 [..., 656] (or, except for flashmla, a full layer's "
+            f"[..., 576] latent cache), got {kv_cache.dtype} {kv_cache.shape}"
         )
     if indices.ndim != 2 or indices.shape[0] != q.shape[0]:
         raise ValueError(f"sparse_mla_attention: indices must be [T={q.shape[0]}, topk], got {list(indices.shape)}")
@@ -60,9 +63,9 @@ def sparse_mla_attention(
 
     ``is_prefill`` picks FlashMLA's prefill kernel and ``schedule`` is its decode schedule for
     the step (the step builder makes it once; None makes one here); the other providers ignore both."""
-    _check(q, kv_cache, indices)
     if provider not in SPARSE_MLA_PROVIDERS:
         raise ValueError(f"sparse_mla_attention: unknown provider {provider!r}; one of {SPARSE_MLA_PROVIDERS}")
+    _check(q, kv_cache, indices, provider)
     if provider == "flashmla":
         return _flashmla(q, kv_cache, indices, softmax_scale, is_prefill, schedule)
     if provider == "triton":

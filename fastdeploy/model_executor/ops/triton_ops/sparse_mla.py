@@ -1,7 +1,8 @@
 """Sparse MLA attention over the 656-byte FP8 cache: the paddle wrapper of the Triton kernel
 (``sparse_mla_kernel.py``) and the paddle reference beside it (docs/design.md §4.5).
 
-q [T, H, 576] (absorbed), kv_cache uint8 [num_blocks, block_size, 1, 656], indices int32
+q [T, H, 576] (absorbed), kv_cache uint8 [num_blocks, block_size, 1, 656] (or a full layer's
+bf16 [num_blocks, block_size, 1, 576], the kernel's CACHE_BF16 variant), indices int32
 [T, topk] (-1 = none) -> out [T, H, 512] in q's dtype, lse float32 [T, H] (natural log); softmax
 over the valid slots of (q . k) * scale times their first 512 values; a row with no valid slot
 gives 0 and lse +inf.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import paddle
 
-from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import RECORD_BYTES, dequant_mla_fp8_cache_ref
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import dequant_mla_fp8_cache_ref
 from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (
     default_num_splits,
     launch_sparse_mla,
@@ -56,12 +57,13 @@ def sparse_mla_reference(
     q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor, softmax_scale: float, chunk: int = 128
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """Paddle reference in float32, ``chunk`` tokens at a time to bound the gathered memory."""
-    records = kv_cache.reshape([-1, RECORD_BYTES])
+    records = kv_cache.reshape([-1, kv_cache.shape[-1]])
+    read = dequant_mla_fp8_cache_ref if kv_cache.dtype == paddle.uint8 else (lambda rows: rows)
     outs, lses = [], []
     for s in range(0, q.shape[0], chunk):
         idx = indices[s : s + chunk].astype("int64")
         ok = idx >= 0
-        kv = dequant_mla_fp8_cache_ref(records[idx.clip(min=0).flatten()]).astype("float32")
+        kv = read(records[idx.clip(min=0).flatten()]).astype("float32")
         kv = kv.reshape(list(idx.shape) + [576])
         kv = paddle.where(ok.unsqueeze(-1), kv, paddle.zeros_like(kv))  # never let a masked slot's bytes in
         qf = q[s : s + chunk].astype("float32")

@@ -1,4 +1,6 @@
 """Sparse MLA attention over the 656-byte FP8 cache (docs/design.md §4.5), as Triton kernels.
+The same kernel reads full layers' bf16 cache ([..., 576]: 512 latent, then 64 rope) when
+CACHE_BF16 is set, so full layers' absorbed attention runs on it with whole-context indices.
 
 For token t and head h: softmax over the valid (>= 0) slots s of indices[t] of
 (q[t, h] . k[s]) * softmax_scale, times the first 512 values of k[s], where k[s] is the
@@ -58,6 +60,25 @@ def _load_latent_chunk(rec, ok, c: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _load_slot_latent(rec, ok, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, CACHE_BF16: tl.constexpr):
+    """The 512 latent values of BLOCK_N slots -> [BLOCK_N, 512] DOT_DTYPE (``rec`` points at
+    each slot's first byte, or first bf16 value with CACHE_BF16)."""
+    if CACHE_BF16:
+        kv = tl.load(rec[:, None] + tl.arange(0, 512)[None, :], mask=ok[:, None], other=0.0)
+        return kv.to(tl.float32).to(DOT_DTYPE)
+    return _load_latent(rec, ok, BLOCK_N, DOT_DTYPE)
+
+
+@triton.jit
+def _load_slot_chunk(rec, ok, c: tl.constexpr, DOT_DTYPE: tl.constexpr, CACHE_BF16: tl.constexpr):
+    """Latent values 128*c .. 128*c+127 of the slots -> [N, 128] DOT_DTYPE."""
+    if CACHE_BF16:
+        kv = tl.load(rec[:, None] + (c * 128 + tl.arange(0, 128))[None, :], mask=ok[:, None], other=0.0)
+        return kv.to(tl.float32).to(DOT_DTYPE)
+    return _load_latent_chunk(rec, ok, c, DOT_DTYPE)
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr,
     cache_ptr,
@@ -80,6 +101,7 @@ def _sparse_mla_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     SPLIT_LATENT: tl.constexpr,
+    CACHE_BF16: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -110,20 +132,25 @@ def _sparse_mla_kernel(
         j = start + tl.arange(0, BLOCK_N)
         slot = tl.load(idx_row + j, mask=j < hi, other=-1)
         ok = slot >= 0
-        rec = cache_ptr + slot.to(tl.int64) * 656
-        pe = tl.load((rec + 528).to(tl.pointer_type(tl.bfloat16))[:, None] + r[None, :], mask=ok[:, None], other=0.0)
+        if CACHE_BF16:
+            rec = cache_ptr + slot.to(tl.int64) * 576
+            pe_ptr = rec + 512
+        else:
+            rec = cache_ptr + slot.to(tl.int64) * 656
+            pe_ptr = (rec + 528).to(tl.pointer_type(tl.bfloat16))
+        pe = tl.load(pe_ptr[:, None] + r[None, :], mask=ok[:, None], other=0.0)
         s = tl.dot(q_pe, tl.trans(pe.to(tl.float32).to(DOT_DTYPE)))  # [BLOCK_H, BLOCK_N] fp32
         if SPLIT_LATENT:
-            kv0 = _load_latent_chunk(rec, ok, 0, DOT_DTYPE)
+            kv0 = _load_slot_chunk(rec, ok, 0, DOT_DTYPE, CACHE_BF16)
             s = tl.dot(q0, tl.trans(kv0), s)
-            kv1 = _load_latent_chunk(rec, ok, 1, DOT_DTYPE)
+            kv1 = _load_slot_chunk(rec, ok, 1, DOT_DTYPE, CACHE_BF16)
             s = tl.dot(q1, tl.trans(kv1), s)
-            kv2 = _load_latent_chunk(rec, ok, 2, DOT_DTYPE)
+            kv2 = _load_slot_chunk(rec, ok, 2, DOT_DTYPE, CACHE_BF16)
             s = tl.dot(q2, tl.trans(kv2), s)
-            kv3 = _load_latent_chunk(rec, ok, 3, DOT_DTYPE)
+            kv3 = _load_slot_chunk(rec, ok, 3, DOT_DTYPE, CACHE_BF16)
             s = tl.dot(q3, tl.trans(kv3), s)
         else:
-            kv = _load_latent(rec, ok, BLOCK_N, DOT_DTYPE)  # [BLOCK_N, 512]
+            kv = _load_slot_latent(rec, ok, BLOCK_N, DOT_DTYPE, CACHE_BF16)  # [BLOCK_N, 512]
             s = tl.dot(q_lat, tl.trans(kv), s)
         s = tl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -239,7 +266,8 @@ def launch_sparse_mla(
     num_stages: int | None = None,
 ) -> None:
     """Framework-neutral launch: q bf16 [T, H, 576] (last dim contiguous), cache uint8
-    [..., 656], indices int32 [T, topk] contiguous, out bf16 [T, H, 512], lse float32 [T, H].
+    [..., 656] (FP8 records) or bf16 [..., 576] (full layers), indices int32 [T, topk] contiguous,
+    out bf16 [T, H, 512], lse float32 [T, H].
     ``num_splits`` > 1 needs ``partial`` float32 [T, S, H, 512] and ``partial_lse`` [T, S, H]."""
     T, H = int(q.shape[0]), int(q.shape[1])
     topk = int(indices.shape[1])
@@ -279,6 +307,7 @@ def launch_sparse_mla(
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype,
         SPLIT_LATENT=block_h < WGMMA_HEADS,
+        CACHE_BF16=int(cache.shape[-1]) == 576,
         **meta,
     )
     if num_splits > 1:
