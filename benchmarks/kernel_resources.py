@@ -107,18 +107,23 @@ def cases():
         "BLOCK_N": "constexpr",
         "DOT_DTYPE": "constexpr",
         "SPLIT_LATENT": "constexpr",
+        "CACHE_BF16": "constexpr",
     }
     for tuned in (sparse.TUNED_WIDE, sparse.TUNED_NARROW):  # the recorded tunings
-        bh, bn = tuned["block_h"], tuned["block_n"]
-        const = {
-            "EMPTY_LSE": float("inf"),
-            "BLOCK_H": bh,
-            "BLOCK_N": bn,
-            "DOT_DTYPE": tl.bfloat16,
-            "SPLIT_LATENT": bh < sparse.WGMMA_HEADS,
-        }
-        opts = {"num_warps": tuned["num_warps"], "num_stages": tuned["num_stages"]}
-        yield f"sparse_mla h{bh} n{bn}", sparse._sparse_mla_kernel, sig, const, opts
+        for cache_bf16 in (False, True):  # SWA layers' FP8 records, full layers' bf16 latent
+            bh, bn = tuned["block_h"], tuned["block_n"]
+            const = {
+                "EMPTY_LSE": float("inf"),
+                "BLOCK_H": bh,
+                "BLOCK_N": bn,
+                "DOT_DTYPE": tl.bfloat16,
+                "SPLIT_LATENT": bh < sparse.WGMMA_HEADS,
+                "CACHE_BF16": cache_bf16,
+            }
+            opts = {"num_warps": tuned["num_warps"], "num_stages": tuned["num_stages"]}
+            sig_c = {**sig, "cache_ptr": "*bf16"} if cache_bf16 else sig
+            name = f"sparse_mla h{bh} n{bn}" + (" bf16 cache" if cache_bf16 else "")
+            yield name, sparse._sparse_mla_kernel, sig_c, const, opts
     yield (
         "mla_prefill",
         prefill._mla_prefill_kernel,
@@ -131,8 +136,11 @@ def cases():
             "BLOCK_M": "constexpr",
             "BLOCK_N": "constexpr",
             "DOT_BF16": "constexpr",
+            "D_NOPE": "constexpr",
+            "D_ROPE": "constexpr",
+            "D_V": "constexpr",
         },
-        {"BLOCK_M": 128, "BLOCK_N": 64, "DOT_BF16": True},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "DOT_BF16": True, "D_NOPE": 128, "D_ROPE": 64, "D_V": 128},
         {"num_warps": 8, "num_stages": 3},
     )
     yield (

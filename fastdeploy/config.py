@@ -272,6 +272,7 @@ class ParallelConfig:
 
 
 SPARSE_MLA_PROVIDERS = ("flashmla", "triton", "reference")
+MLA_PREFILL_FORMS = ("auto", "mha", "absorbed")
 
 
 @dataclass(frozen=True)
@@ -282,16 +283,22 @@ class KernelConfig:
     triton: the window indexer, the FP8 cache writer and the cache de-quantizer run as Triton
     kernels (on GPU, or in Triton's interpreter), else as their paddle references.
     sparse_mla_provider: who computes SWA layers' sparse MLA attention (one of SPARSE_MLA_PROVIDERS).
+    mla_prefill_form: how prefill tokens attend (docs/design.md §4.7): ``mha`` (keys decompressed
+    through W_UK / W_UV), ``absorbed`` (MQA over the latent, as decodes), or ``auto``: per request
+    by the cost model in ``layers/attention/prefill_form.py``.
     The default is the CPU reference path."""
 
     triton: bool = False
     sparse_mla_provider: str = "reference"
+    mla_prefill_form: str = "auto"
 
     def __post_init__(self) -> None:
         if self.sparse_mla_provider not in SPARSE_MLA_PROVIDERS:
             raise ValueError(
                 f"sparse_mla_provider must be one of {SPARSE_MLA_PROVIDERS}, got {self.sparse_mla_provider!r}"
             )
+        if self.mla_prefill_form not in MLA_PREFILL_FORMS:
+            raise ValueError(f"mla_prefill_form must be one of {MLA_PREFILL_FORMS}, got {self.mla_prefill_form!r}")
 
 
 @dataclass

@@ -62,7 +62,9 @@ class Harness:
             dec.append(start)
             tables.append(table)
             self.lens[rid] = start + len(toks)
-        builder = ForwardMetaBuilder(self.block_size, self.model.sliding_windows, self.kernels)
+        builder = ForwardMetaBuilder(
+            self.block_size, self.model.attention_windows, self.kernels, self.model.num_local_heads
+        )
         return builder.build(ids, enc, dec, {g: tables for g in self.cfg.kv_cache_groups})  # one table, both groups
 
     def step(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> dict[str, np.ndarray]:

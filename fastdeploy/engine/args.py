@@ -15,7 +15,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastdeploy.config import KV_CACHE_DTYPES, CacheConfig, FDConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from fastdeploy.config import (
+    KV_CACHE_DTYPES,
+    MLA_PREFILL_FORMS,
+    CacheConfig,
+    FDConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from fastdeploy.model_executor.kernel_select import KERNEL_BACKENDS, select_kernels
 from fastdeploy.model_executor.tiny_checkpoint import TINY_PRESET, resolve_model
 
@@ -61,6 +69,12 @@ class EngineArgs:
         "kernels run, else reference",
         ("auto", "flashmla", "triton", "reference"),
     )
+    mla_prefill_form: str = setting(
+        "auto",
+        "how prefill tokens attend: mha (keys decompressed, 192/128 wide per head), absorbed (MQA over the "
+        "latent, as decodes), auto: per request by a cost model measured on the H200",
+        MLA_PREFILL_FORMS,
+    )
 
     def create_config(self) -> FDConfig:
         """Every config, built by keyword; a ValueError names the bad setting."""
@@ -83,7 +97,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, dist_timeout=self.dist_timeout
             ),
-            kernel_config=select_kernels(self.kernel_backend, self.sparse_mla_provider),
+            kernel_config=select_kernels(self.kernel_backend, self.sparse_mla_provider, self.mla_prefill_form),
         )
 
     @classmethod

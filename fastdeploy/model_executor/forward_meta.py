@@ -14,18 +14,43 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from fastdeploy.config import SWA_GROUP, KernelConfig
+from fastdeploy.config import FULL_GROUP, SWA_GROUP, KernelConfig
+from fastdeploy.model_executor.layers.attention.prefill_form import choose_prefill_form
 from fastdeploy.model_executor.layers.attention.sparse_mla_providers import flashmla_schedule, step_topk_multiple
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer_top_k
 
 
 @dataclass
-class SparseTokenGroup:
-    """Tokens that go to one sparse-attention call: ``tokens`` int64 [n] (None: the whole step)
-    and whether they are prefill tokens (FlashMLA's prefill kernel) or decodes."""
+class MHAKeys:
+    """The keys in view of a group of prefill requests in MHA form (docs/design.md §4.7), in the
+    layer kind's cache: ``slots`` int64 [S], each request's keys ascending from ``k_start[b]``
+    (the window's first position, or 0), its chunk's own tokens last. Host int32: ``cu_seqlens_q``
+    and ``cu_seqlens_k`` [n + 1], ``q_start`` and ``k_start`` [n] (absolute positions)."""
+
+    slots: paddle.Tensor
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    q_start: np.ndarray
+    k_start: np.ndarray
+
+
+@dataclass
+class TokenGroup:
+    """Tokens of whole requests that attend in one call. ``tokens`` int64 [n] into the step's
+    tokens (None: the whole step); ``requests`` the host request ids; ``form``: "mha" (prefill in
+    MHA form, with ``mha`` its keys), "prefill" or "decode" (absorbed; FlashMLA has one kernel for
+    each, the other providers take both in one call). ``full_indices`` int32 [n, topk]: a full
+    layer's whole-context slots for the absorbed kernels (None on the CPU reference path)."""
 
     tokens: paddle.Tensor | None
-    is_prefill: bool
+    requests: np.ndarray
+    form: str
+    mha: MHAKeys | None = None
+    full_indices: paddle.Tensor | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.form != "decode"
 
 
 @dataclass
@@ -38,8 +63,10 @@ class ForwardMeta:
     Host (numpy int32, so per-request loops need no device sync): seq_lens_encoder,
     seq_lens_decoder, seq_lens_this_time [B]; cu_seqlens_q [B + 1].
     Derived once by the builder: swa_indices {W: int32 [T, topk]} with topk = W rounded up to the
-    provider's multiple; sparse_groups, the token groups of the sparse provider's calls;
-    flashmla_schedule, FlashMLA's decode schedule (None unless FlashMLA decodes this step).
+    provider's multiple; attn_groups {W: [TokenGroup]}, how the layers of window W (0: full
+    layers) split the step's tokens into calls, each prefill request in the form the cost model
+    (or the setting) picked; flashmla_schedule, FlashMLA's decode schedule (None unless FlashMLA
+    decodes this step).
     """
 
     input_ids: paddle.Tensor
@@ -53,7 +80,7 @@ class ForwardMeta:
     cu_seqlens_q: np.ndarray
     block_size: int
     swa_indices: dict[int, paddle.Tensor]
-    sparse_groups: list[SparseTokenGroup]
+    attn_groups: dict[int, list[TokenGroup]]
     flashmla_schedule: object | None = None
 
     @property
@@ -62,15 +89,18 @@ class ForwardMeta:
 
 
 class ForwardMetaBuilder:
-    """Builds each step's ForwardMeta for a model whose SWA layers use ``sliding_windows``.
+    """Builds each step's ForwardMeta for a model whose attention layers have ``windows`` (W of
+    each SWA layer kind, 0 for full layers) and ``num_heads`` heads on this rank.
 
-    ``kernels`` says whether the window indexer runs as a Triton kernel and which sparse MLA
-    provider the step's groups and padding are made for."""
+    ``kernels`` says whether the indexer runs as a Triton kernel, which sparse MLA provider the
+    step's groups and padding are made for, and how prefill requests pick their form."""
 
-    def __init__(self, block_size: int, sliding_windows: Iterable[int], kernels: KernelConfig) -> None:
+    def __init__(self, block_size: int, windows: Iterable[int], kernels: KernelConfig, num_heads: int) -> None:
         self.block_size = block_size
-        self.sliding_windows = sorted(set(sliding_windows))
+        self.windows = sorted(set(windows))
+        self.sliding_windows = [w for w in self.windows if w > 0]
         self.kernels = kernels
+        self.num_heads = num_heads
 
     def build(
         self,
@@ -90,7 +120,7 @@ class ForwardMetaBuilder:
         B = len(enc)
         bid = np.repeat(np.arange(B, dtype=np.int32), this)
         pos = (np.arange(cu[-1]) - np.repeat(cu[:-1], this) + np.repeat(dec, this)).astype(np.int64)
-        tables, slots = {}, {}
+        host_tables, tables, slots = {}, {}, {}
         for g, rows in block_tables.items():
             bt = np.full((B, max([len(r) for r in rows] + [1])), -1, np.int32)
             for b, row in enumerate(rows):
@@ -98,7 +128,7 @@ class ForwardMetaBuilder:
             blk = bt[bid, pos // bs] if len(pos) else np.zeros(0, np.int32)
             if (blk < 0).any():
                 raise ValueError(f"block_tables[{g!r}] do not cover every token of the step")
-            tables[g] = paddle.to_tensor(bt)
+            host_tables[g], tables[g] = bt, paddle.to_tensor(bt)
             slots[g] = paddle.to_tensor((blk.astype(np.int64) * bs + pos % bs).astype(np.int32))
         ids = np.asarray(input_ids, np.int64)
         if ids.shape[0] != cu[-1]:
@@ -113,16 +143,14 @@ class ForwardMetaBuilder:
             )
             for W in self.sliding_windows
         }
-        groups, schedule = [SparseTokenGroup(None, False)], None
-        if provider == "flashmla":  # a decode kernel on the FP8 cache and a prefill kernel on a bf16 gather
-            prefill_tok = np.repeat(enc > 0, this)
-            groups = [
-                SparseTokenGroup(paddle.to_tensor(np.nonzero(sel)[0]), is_prefill)
-                for sel, is_prefill in ((~prefill_tok, False), (prefill_tok, True))
-                if sel.any()
-            ]
-            if self.sliding_windows and (~prefill_tok).any():
-                schedule = flashmla_schedule()
+        step = _Step(enc, dec, this, cu, pos, bid, bs)
+        attn_groups = {}
+        for W in self.windows:
+            g = SWA_GROUP if W > 0 else FULL_GROUP
+            attn_groups[W] = self._groups(step, W, host_tables[g], tables[g], provider == "flashmla" and W > 0)
+        schedule = None
+        if provider == "flashmla" and self.sliding_windows and (enc == 0).any():
+            schedule = flashmla_schedule()
         return ForwardMeta(
             input_ids=paddle.to_tensor(ids),
             positions=positions,
@@ -135,6 +163,76 @@ class ForwardMetaBuilder:
             cu_seqlens_q=cu,
             block_size=bs,
             swa_indices=swa_indices,
-            sparse_groups=groups,
+            attn_groups=attn_groups,
             flashmla_schedule=schedule,
         )
+
+    def _groups(
+        self, step: _Step, W: int, host_table: np.ndarray, table: paddle.Tensor, split_decode: bool
+    ) -> list[TokenGroup]:
+        """The calls of the layers with window W: prefill requests in MHA form together, the rest
+        absorbed (decodes apart from prefills when ``split_decode``, for FlashMLA)."""
+        kinds = {"mha": [], "decode": [], "prefill": []} if split_decode else {"mha": [], "absorbed": []}
+        for b in range(len(step.enc)):
+            if step.enc[b] == 0:
+                kind = "decode"
+            else:
+                setting, heads = self.kernels.mla_prefill_form, self.num_heads
+                mha = choose_prefill_form(setting, int(step.this[b]), int(step.dec[b]), W, heads) == "mha"
+                kind = "mha" if mha else "prefill"
+            kinds[kind if kind == "mha" or split_decode else "absorbed"].append(b)
+        groups = []
+        for kind, reqs in kinds.items():
+            if not reqs:
+                continue
+            reqs = np.asarray(reqs, np.int64)
+            tok = np.concatenate([np.arange(step.cu[b], step.cu[b + 1]) for b in reqs])
+            whole = tok.size == step.cu[-1]
+            group = TokenGroup(None if whole else paddle.to_tensor(tok), reqs, kind)
+            if kind == "mha":
+                group.mha = self._mha_keys(step, W, reqs, host_table)
+            elif W == 0 and self.kernels.triton:
+                top = int(step.pos[tok].max()) + 1  # whole-context rows: the indexer with W >= every context
+                group.full_indices = get_swa_indexer_top_k(
+                    paddle.to_tensor(step.pos[tok]),
+                    paddle.to_tensor(step.bid[tok]),
+                    table,
+                    step.bs,
+                    top,
+                    top,
+                    triton=True,
+                )
+            groups.append(group)
+        return groups
+
+    @staticmethod
+    def _mha_keys(step: _Step, W: int, reqs: np.ndarray, host_table: np.ndarray) -> MHAKeys:
+        q_start = step.dec[reqs]
+        k_start = np.maximum(q_start - W + 1, 0) if W > 0 else np.zeros_like(q_start)
+        end = q_start + step.this[reqs]
+        kpos = [np.arange(k_start[i], end[i]) for i in range(len(reqs))]
+        blk = np.concatenate([host_table[b, p // step.bs] for b, p in zip(reqs, kpos, strict=True)])
+        if (blk < 0).any():
+            raise ValueError(f"a prefill's keys in view (window {W}) lie in released or missing blocks")
+        kslots = blk.astype(np.int64) * step.bs + np.concatenate(kpos) % step.bs
+        n = end - q_start
+        return MHAKeys(
+            slots=paddle.to_tensor(kslots),
+            cu_seqlens_q=np.concatenate([[0], np.cumsum(n)]).astype(np.int32),
+            cu_seqlens_k=np.concatenate([[0], np.cumsum(end - k_start)]).astype(np.int32),
+            q_start=q_start.astype(np.int32),
+            k_start=k_start.astype(np.int32),
+        )
+
+
+@dataclass
+class _Step:
+    """The host arrays of one step the group planner reads."""
+
+    enc: np.ndarray
+    dec: np.ndarray
+    this: np.ndarray
+    cu: np.ndarray
+    pos: np.ndarray
+    bid: np.ndarray
+    bs: int

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from fastdeploy.config import SPARSE_MLA_PROVIDERS, KernelConfig
+from fastdeploy.config import MLA_PREFILL_FORMS, SPARSE_MLA_PROVIDERS, KernelConfig
 from fastdeploy.model_executor.ops.triton_ops.launcher import can_run_triton, interpret_mode
 
 logger = logging.getLogger("fastdeploy")
@@ -42,7 +42,9 @@ def _check_provider(name: str) -> None:
         raise ValueError("sparse_mla_provider: 'triton' needs a CUDA build of paddle or TRITON_INTERPRET=1")
 
 
-def select_kernels(kernel_backend: str = "auto", sparse_mla_provider: str = "auto") -> KernelConfig:
+def select_kernels(
+    kernel_backend: str = "auto", sparse_mla_provider: str = "auto", mla_prefill_form: str = "auto"
+) -> KernelConfig:
     """Resolve the settings into a KernelConfig and log it; a ValueError names a bad setting."""
     gpu = can_run_triton() and not interpret_mode()
     if kernel_backend not in KERNEL_BACKENDS:
@@ -55,10 +57,14 @@ def select_kernels(kernel_backend: str = "auto", sparse_mla_provider: str = "aut
     else:
         _check_provider(sparse_mla_provider)
         provider = sparse_mla_provider
-    kernels = KernelConfig(triton=triton, sparse_mla_provider=provider)
+    if mla_prefill_form not in MLA_PREFILL_FORMS:
+        raise ValueError(f"mla_prefill_form: unknown form {mla_prefill_form!r}; choose one of {MLA_PREFILL_FORMS}")
+    kernels = KernelConfig(triton=triton, sparse_mla_provider=provider, mla_prefill_form=mla_prefill_form)
     logger.info(
-        "kernels: %s for the window indexer and the FP8 cache; sparse MLA attention provider: %s",
+        "kernels: %s for the window indexer, the FP8 cache, MLA prefill and full layers; sparse MLA attention "
+        "provider: %s; prefill form: %s",
         "Triton" + (" (interpreter)" if triton and interpret_mode() else "") if triton else "paddle references",
         provider,
+        mla_prefill_form,
     )
     return kernels

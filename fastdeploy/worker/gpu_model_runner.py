@@ -111,7 +111,9 @@ class GPUModelRunner:
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, mc.num_hidden_layers, self.tp.is_driver)
         self.block_size = fd_config.cache_config.block_size
-        self.meta_builder = ForwardMetaBuilder(self.block_size, self.model.sliding_windows, fd_config.kernel_config)
+        self.meta_builder = ForwardMetaBuilder(
+            self.block_size, self.model.attention_windows, fd_config.kernel_config, self.model.num_local_heads
+        )
         self.step_started: float | None = None
         self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.dtype))  # the same on every rank
         self.caches = self.allocate_caches(self.num_blocks)

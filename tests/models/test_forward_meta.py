@@ -33,7 +33,7 @@ def four_swa_dir(tmp_path_factory):  # every layer SWA, W = 32 in the checkpoint
 
 def test_two_windows_indexed_once_and_shared(four_swa_dir, rng, monkeypatch):
     W_A, W_B = 32, 12  # layers 0, 1 keep the checkpoint's window; layers 2, 3 get a second one
-    h = Harness(four_swa_dir, block_size=BS)
+    h = Harness(four_swa_dir, block_size=BS, kernels=KernelConfig(mla_prefill_form="absorbed"))
     attn = [layer.self_attn for layer in h.model.model.layers]
     for a in attn[2:]:
         a.attn_backend.sliding_window = W_B
@@ -48,9 +48,9 @@ def test_two_windows_indexed_once_and_shared(four_swa_dir, rng, monkeypatch):
     for i, a in enumerate(attn):
         inner = a.attn_backend.forward_static
 
-        def spy(q, cache, indices, meta, i=i, inner=inner):
+        def spy(q, cache, indices, meta, is_prefill=False, i=i, inner=inner):
             read[i] = indices
-            return inner(q, cache, indices, meta)
+            return inner(q, cache, indices, meta, is_prefill)
 
         a.attn_backend.forward_static = spy
 
@@ -83,15 +83,17 @@ def test_flashmla_groups_padding_and_schedule_made_once(rng, monkeypatch):
     made = []
     fake = types.SimpleNamespace(get_mla_metadata=lambda: made.append(1) or f"sched{len(made)}")
     monkeypatch.setitem(sys.modules, "flash_mla", fake)
-    builder = ForwardMetaBuilder(BS, [5, 130], KernelConfig(triton=False, sparse_mla_provider="flashmla"))
+    kernels = KernelConfig(triton=False, sparse_mla_provider="flashmla", mla_prefill_form="absorbed")
+    builder = ForwardMetaBuilder(BS, [5, 130], kernels, num_heads=16)
     tables = [list(rng.permutation(40)[:12]) for _ in range(3)]
     # request 0 decodes at 40, request 1 prefills 7 tokens from 3, request 2 decodes at 150
     meta = builder.build(list(range(9)), [0, 7, 0], [40, 3, 150], {"swa": tables})
     assert made == [1] and meta.flashmla_schedule == "sched1"
-    assert [(g.tokens.numpy().tolist(), g.is_prefill) for g in meta.sparse_groups] == [
-        ([0, 8], False),
-        ([1, 2, 3, 4, 5, 6, 7], True),
-    ]
+    for W in (5, 130):
+        assert [(g.tokens.numpy().tolist(), g.requests.tolist(), g.is_prefill) for g in meta.attn_groups[W]] == [
+            ([0, 8], [0, 2], False),
+            ([1, 2, 3, 4, 5, 6, 7], [1], True),
+        ]
     positions = [40, 3, 4, 5, 6, 7, 8, 9, 150]
     rows = [0] + [1] * 7 + [2]
     for W, topk in ((5, 128), (130, 256)):
@@ -99,14 +101,55 @@ def test_flashmla_groups_padding_and_schedule_made_once(rng, monkeypatch):
         np.testing.assert_array_equal(meta.swa_indices[W].numpy(), want)
     prefill_only = builder.build(list(range(4)), [4], [0], {"swa": tables[:1]})  # no decode: no schedule
     assert made == [1] and prefill_only.flashmla_schedule is None
-    assert [g.is_prefill for g in prefill_only.sparse_groups] == [True]
+    assert [(g.tokens, g.form) for g in prefill_only.attn_groups[5]] == [(None, "prefill")]
     builder.build(list(range(2)), [0, 0], [7, 9], {"swa": tables[:2]})
     assert made == [1, 1]  # the next step gets its own schedule
 
 
 def test_reference_and_triton_take_the_mixed_batch_in_one_group():
     for provider in ("reference", "triton"):
-        builder = ForwardMetaBuilder(BS, [8], KernelConfig(sparse_mla_provider=provider))
+        builder = ForwardMetaBuilder(
+            BS, [8], KernelConfig(sparse_mla_provider=provider, mla_prefill_form="absorbed"), 4
+        )
         meta = builder.build(list(range(5)), [0, 4], [20, 0], {"swa": [[0, 1], [2]]})
-        assert len(meta.sparse_groups) == 1 and meta.sparse_groups[0].tokens is None
+        (group,) = meta.attn_groups[8]
+        assert group.tokens is None and group.form == "absorbed" and group.requests.tolist() == [0, 1]
         assert meta.flashmla_schedule is None and meta.swa_indices[8].shape == [5, 8]
+
+
+def test_mha_groups_and_keys_in_view(rng):
+    """Prefill requests in MHA form get their keys in view as slots (the window, or the whole
+    context, then the chunk), checked against slots computed here; decodes stay absorbed, and on
+    the kernel path a full layer's absorbed rows cover the whole context."""
+    tables = [list(rng.permutation(40)[:12]) for _ in range(3)]
+    # request 0 decodes at 40, request 1 prefills 7 tokens from 3, request 2 prefills 20 from 30
+    args = (list(range(28)), [0, 7, 20], [40, 3, 30], {"swa": tables, "full": tables})
+    for kernels in (KernelConfig(mla_prefill_form="mha"), KernelConfig(True, "triton", "mha")):
+        meta = ForwardMetaBuilder(BS, [0, 8], kernels, num_heads=4).build(*args)
+        for W in (0, 8):
+            mha, absorbed = meta.attn_groups[W]
+            assert mha.form == "mha" and mha.requests.tolist() == [1, 2]
+            assert mha.tokens.numpy().tolist() == list(range(1, 28))
+            keys = mha.mha
+            k_start = [0, 0] if W == 0 else [0, 30 - W + 1]
+            want = np.concatenate([window_slots(tables[b], p, 10**6, 10**6) for b, p in ((1, 9), (2, 49))])
+            want = want[want >= 0]
+            if W:
+                want = np.concatenate(
+                    [window_slots(tables[1], 9, 10, 10), window_slots(tables[2], 49, 49 - 23 + 1, 27)]
+                )
+            np.testing.assert_array_equal(keys.slots.numpy(), want)
+            assert keys.q_start.tolist() == [3, 30] and keys.k_start.tolist() == k_start
+            assert keys.cu_seqlens_q.tolist() == [0, 7, 27]
+            assert keys.cu_seqlens_k.tolist() == [0, 10, 10 + 50 - k_start[1]]
+            assert absorbed.form == "absorbed" and absorbed.requests.tolist() == [0]
+            assert absorbed.tokens.numpy().tolist() == [0]
+            if W == 0 and kernels.triton:
+                np.testing.assert_array_equal(absorbed.full_indices.numpy(), window_slots(tables[0], 40, 41, 41)[None])
+            else:
+                assert absorbed.full_indices is None
+    released = [-1] + list(tables[0][1:])  # positions 0..15 gone: a prefill of 4 from 20 (W 8) sees 13..23
+    with pytest.raises(ValueError, match="window 8"):
+        ForwardMetaBuilder(BS, [8], KernelConfig(mla_prefill_form="mha"), 4).build(
+            [1] * 4, [4], [20], {"swa": [released]}
+        )

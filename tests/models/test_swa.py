@@ -39,15 +39,18 @@ def swa_dense_dir(tmp_path_factory):
 
 
 class LayerCase:
-    """Layer 0 (SWA) of the tiny model, fed random hidden states step by step."""
+    """One attention layer of the tiny model (0: SWA, 1: full), fed random hidden states step by
+    step, with ``kernels`` choosing the implementations and the prefill form."""
 
-    def __init__(self, d, rng):
-        self.h = Harness(d, block_size=BS, num_blocks=64)
-        self.attn = self.h.model.model.layers[0].self_attn
-        assert self.attn.is_swa
-        self.cfg, _ = windows_of(d)
-        self.W = self.cfg["sliding_window"]
-        self.w = {k: v.astype(np.float64) for k, v in load_np(d).items() if k.startswith("model.layers.0.self_attn.")}
+    def __init__(self, d, rng, layer=0, kernels=None):
+        self.h = Harness(d, block_size=BS, num_blocks=64, kernels=kernels)
+        self.layer = layer
+        self.attn = self.h.model.model.layers[layer].self_attn
+        self.cfg, windows = windows_of(d)
+        self.W = windows[layer] or 10**9  # a full layer: no window
+        assert self.attn.is_swa == (windows[layer] is not None)
+        prefix = f"model.layers.{layer}.self_attn."
+        self.w = {k: v.astype(np.float64) for k, v in load_np(d).items() if k.startswith(prefix)}
         self.rng = rng
         self.hidden: dict[str, list[np.ndarray]] = {}
 
@@ -58,15 +61,16 @@ class LayerCase:
         meta = self.h.build_meta([(rid, [0] * n) for rid, n in batch], decode)
         x = np.concatenate(xs)
         with paddle.no_grad():
-            out = self.attn(paddle.to_tensor(x, "float32"), self.h.caches[0], meta).numpy()
+            out = self.attn(paddle.to_tensor(x, "float32"), self.h.caches[self.layer], meta).numpy()
         want = np.concatenate([self.reference(rid, n) for rid, n in batch])
         return out, want
 
     def reference(self, rid, n):
         """The last n tokens of rid: dense attention over the window, keys and values from the
-        de-quantized cache records at the request's slots (read with numpy)."""
+        de-quantized cache records (or a full layer's float32 cache rows) at the request's slots
+        (read with numpy)."""
         w, c = self.w, self.cfg
-        a = "model.layers.0.self_attn."
+        a = f"model.layers.{self.layer}.self_attn."
         H, nope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"]
         L = self.h.lens[rid]
         x = np.array(self.hidden[rid][L - n :])
@@ -78,7 +82,9 @@ class LayerCase:
         table = np.array(self.h.tables[rid])
         allpos = np.arange(L)
         slots = table[allpos // BS] * BS + allpos % BS
-        rec = dequant_records(self.h.caches[0].numpy().reshape(-1, 656)[slots])  # [L, 576]
+        cache = self.h.caches[self.layer].numpy()
+        rows = cache.reshape(-1, cache.shape[-1])[slots]
+        rec = dequant_records(rows) if cache.dtype == np.uint8 else rows.astype(np.float64)  # [L, 576]
         # the cache holds k_pe in the de-interleaved rotary layout; undo it to pair with q_pe
         k_pe = np.empty((L, 64))
         k_pe[:, 0::2], k_pe[:, 1::2] = rec[:, 512:544], rec[:, 544:]
@@ -94,15 +100,40 @@ class LayerCase:
         return o @ w[a + "o_proj.weight"].T
 
 
-def check(out, want):
+def check(out, want, tol=1e-4):
     assert np.isfinite(out).all()
     err = position_errors(out, want)
-    assert err.max() < 1e-4, err  # float32 model on the reference provider: measured ~1e-6
+    assert err.max() < tol, err  # float32 model on the reference provider: measured ~1e-6
 
 
 def test_layer_prefill_decode_mixed(swa_dir, rng):
-    lc = LayerCase(swa_dir, rng)
-    W = lc.W
+    run_layer_steps(LayerCase(swa_dir, rng), check)
+
+
+REFERENCE_MHA = KernelConfig(mla_prefill_form="mha")
+KERNELS_MHA = KernelConfig(triton=True, sparse_mla_provider="triton", mla_prefill_form="mha")
+KERNELS_ABSORBED = KernelConfig(triton=True, sparse_mla_provider="triton", mla_prefill_form="absorbed")
+
+
+@pytest.mark.parametrize(
+    "layer, kernels, tol",
+    [
+        (0, REFERENCE_MHA, 1e-4),  # SWA layer, every prefill in MHA form, float32 references
+        (1, REFERENCE_MHA, 1e-4),  # full layer
+        (1, KernelConfig(mla_prefill_form="absorbed"), 1e-4),
+        (0, KERNELS_MHA, 3e-2),  # the GPU path through the interpreter: bf16 q, k, v
+        (1, KERNELS_MHA, 3e-2),
+        (1, KERNELS_ABSORBED, 3e-2),  # full layer, absorbed: the sparse kernel over the float32 cache
+    ],
+)
+def test_layer_forms_match_float64(swa_dir, rng, layer, kernels, tol):
+    """Both forms, both layer kinds, reference and kernel paths, against float64 attention over
+    the same cache values: the same step gives the same output whichever form computed it."""
+    run_layer_steps(LayerCase(swa_dir, rng, layer, kernels), lambda out, want: check(out, want, tol))
+
+
+def run_layer_steps(lc, check):
+    W = lc.cfg["sliding_window"]  # the SWA window; a full layer runs the same steps
     # prefill only: 2W + a block + 3 tokens (every position W-1, W, W+1 and block edges inside), and W + 1
     check(*lc.step([("a", 2 * W + BS + 3), ("b", W + 1), ("c", W - 2), ("d", BS - 1)]))
     # decode only: b at W+1, c at W-2 then W-1, d at BS-1 (a block edge), a deep past the window
@@ -164,11 +195,16 @@ def test_receptive_field_is_layers_times_window(all_swa_dir, rng):
 INVARIANCE_TOL = 3e-3
 
 
-def test_prefill_then_decode_past_2w_equals_one_shot(swa_dense_dir, rng):
+FORMS = {"absorbed": KernelConfig(mla_prefill_form="absorbed"), "mha": KernelConfig(mla_prefill_form="mha")}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_prefill_then_decode_past_2w_equals_one_shot(swa_dense_dir, form, rng):
+    """Prefill in ``form``, then absorbed decodes, against a one-shot prefill in ``form``."""
     W = windows_of(swa_dense_dir)[0]["sliding_window"]
     ids = tokens(rng, 2 * W + BS + 5)
-    one = Harness(swa_dense_dir, seed=1).prefill("a", ids)
-    h = Harness(swa_dense_dir, seed=2)
+    one = Harness(swa_dense_dir, seed=1, kernels=FORMS[form]).prefill("a", ids)
+    h = Harness(swa_dense_dir, seed=2, kernels=FORMS[form])
     h.prefill("a", ids[: W - 3])
     got = [h.step([("a", [t])], decode={"a"})["a"][0] for t in ids[W - 3 :]]
     assert (
@@ -178,32 +214,37 @@ def test_prefill_then_decode_past_2w_equals_one_shot(swa_dense_dir, rng):
 
 @pytest.mark.parametrize("chunk", [7, 32, 45])  # below, equal to and above W = 32
 def test_chunked_prefill_equals_one_shot(swa_dense_dir, chunk, rng):
+    """Chunked in MHA form against one shot in absorbed form, and the other way round."""
     ids = tokens(rng, 100)
-    one = Harness(swa_dense_dir, seed=3).prefill("a", ids)
-    got = Harness(swa_dense_dir, seed=4).prefill("a", ids, chunk=chunk)
-    assert position_errors(got, one).max() < INVARIANCE_TOL
+    for one_form, chunk_form in (("absorbed", "mha"), ("mha", "absorbed")):
+        one = Harness(swa_dense_dir, seed=3, kernels=FORMS[one_form]).prefill("a", ids)
+        got = Harness(swa_dense_dir, seed=4, kernels=FORMS[chunk_form]).prefill("a", ids, chunk=chunk)
+        assert position_errors(got, one).max() < INVARIANCE_TOL
 
 
 @pytest.mark.parametrize("prefix", [16, 32, 48])  # shorter than, equal to and longer than W = 32
 def test_prefix_hit_equals_alone(swa_dense_dir, prefix, rng):
-    """b reuses a's first `prefix` cached tokens (whole blocks) and computes only its own suffix."""
+    """b reuses a's first `prefix` cached tokens (whole blocks) and computes only its own suffix
+    (in MHA form over the reused keys in view)."""
     shared = tokens(rng, prefix)
     a = shared + tokens(rng, 20)
     b = shared + tokens(rng, 40)
     alone = Harness(swa_dense_dir, seed=5).prefill("b", b)
-    h = Harness(swa_dense_dir, seed=6)
+    h = Harness(swa_dense_dir, seed=6, kernels=FORMS["mha"])
     h.prefill("a", a)
     h.share_prefix("a", "b", prefix)
     got = h.step([("b", b[prefix:])])["b"]
     assert position_errors(got, alone[prefix:]).max() < INVARIANCE_TOL
 
 
-def test_gpu_kernel_path_matches_reference_path(swa_dense_dir, rng):
+@pytest.mark.parametrize("form", ["absorbed", "mha"])
+def test_gpu_kernel_path_matches_reference_path(swa_dense_dir, form, rng):
     """The path a CUDA paddle takes (Triton FP8 writer, Triton indexer, Triton sparse attention
-    with bf16 q), run through the interpreter, against the CPU reference path."""
+    with bf16 q, full layers on the sparse kernel over their whole context, prefill in ``form``
+    through the MHA kernel), run through the interpreter, against the CPU reference path."""
     ids = tokens(rng, 2 * 32 + 16 + 3)
     want = Harness(swa_dense_dir, seed=7).prefill("a", ids, chunk=40)
-    gpu_path = KernelConfig(triton=True, sparse_mla_provider="triton")
+    gpu_path = KernelConfig(triton=True, sparse_mla_provider="triton", mla_prefill_form=form)
     got = Harness(swa_dense_dir, seed=8, kernels=gpu_path).prefill("a", ids, chunk=40)
     err = position_errors(got, want)
     assert np.isfinite(got).all() and err.max() < 3e-2  # bf16 q and output here (~1e-2); a window error > 1e-1

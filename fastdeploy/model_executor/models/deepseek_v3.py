@@ -1,7 +1,8 @@
 """DeepSeek-V3 (MLA attention, MoE) on paddle, with sliding-window (SWA) MLA layers.
 
-The model does the projections and the layer wiring; each attention layer hands its absorbed
-query and its new latent to one backend, chosen once at construction: a layer is SWA when
+The model does the projections and the layer wiring; each attention layer hands its query parts,
+its new latent and W_UK / W_UV to one backend, chosen once at construction, which writes the
+cache and attends in MHA or absorbed form per the step's groups: a layer is SWA when
 ``config.is_swa_layer(layer_id)`` (``window_attn_skip_freq[layer_id] == 1``) and then gets a
 DSAAttentionBackend (FP8 record cache, the step's window indices, sparse MLA); full layers get
 an MLAAttentionBackend (latent cache in the model dtype, bf16 or FP8 records).
@@ -85,21 +86,8 @@ class DeepseekV3MLAAttention(nn.Layer):
         q_pe, k_pe = self.rotary_emb(meta.positions, q[:, :, self.nope :], kv_a[:, self.kv_lora_rank :])
         if self.w_uk is None:  # a model whose weights were not set by load_weights
             self.process_weights_after_loading()
-        # absorbed query: q_nope through W_UK (per head), then the rotated rope part
-        q_lat = paddle.einsum("thn,hnc->thc", q[:, :, : self.nope].astype("float32"), self.w_uk)
-        q_abs = paddle.concat([q_lat, q_pe.astype("float32")], axis=-1)
-        latent = self.attn_backend.forward(q_abs, kv_c, k_pe, cache, meta)
-        out = paddle.einsum("thc,hvc->thv", latent.astype("float32"), self.w_uv)
+        out = self.attn_backend.forward(q[:, :, : self.nope], q_pe, kv_c, k_pe, cache, meta, self.w_uk, self.w_uv)
         return self.o_proj(out.reshape([T, self.num_heads * self.v_dim]).astype(hidden.dtype))
-
-    def forward_swa_static(
-        self, q_abs: paddle.Tensor, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta
-    ) -> paddle.Tensor:
-        """SWA attention under FastDeploy's name: the layer's DSAAttentionBackend does all of it
-        (FP8 cache write, the step's window indices, sparse MLA). -> latent float32 [T, H, 512]."""
-        if not self.is_swa:
-            raise ValueError(f"layer {self.layer_id} is a full-attention layer, not an SWA layer")
-        return self.attn_backend.forward(q_abs, kv_c, k_pe, cache, meta)
 
     @property
     def sliding_window(self) -> int | None:
@@ -161,7 +149,18 @@ class DeepseekV3ForCausalLM(nn.Layer):
     @property
     def sliding_windows(self) -> list[int]:
         """The distinct windows of the SWA layers (the step builder makes indices for each)."""
-        return sorted({w for layer in self.model.layers if (w := layer.self_attn.sliding_window) is not None})
+        return [w for w in self.attention_windows if w > 0]
+
+    @property
+    def attention_windows(self) -> list[int]:
+        """The distinct windows of the attention layers, 0 for full layers (the step builder
+        plans each one's token groups)."""
+        return sorted({layer.self_attn.attn_backend.window for layer in self.model.layers})
+
+    @property
+    def num_local_heads(self) -> int:
+        """Attention heads on this rank."""
+        return self.model.layers[0].self_attn.num_heads
 
     def forward(self, meta: ForwardMeta, caches: list[paddle.Tensor]) -> paddle.Tensor:
         with paddle.no_grad():

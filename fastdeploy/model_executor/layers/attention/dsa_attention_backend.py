@@ -2,10 +2,11 @@
 
 "SWA", "DSA" and "sparse MLA" name one path here: an SWA layer attends over its window through
 the window indexer's slot ids and FlashMLA's sparse MLA contract over the 656-byte FP8 cache
-(docs/design.md §4.3-4.5). ``forward`` writes the step's records, reads the step's indices for
-its window from ForwardMeta and calls ``forward_static``, which runs the provider over the token
-groups the step builder made: FlashMLA splits decodes (FP8 cache kernel) from prefills (bf16
-gather kernel); the Triton kernel and the reference take the whole mixed batch in one call,
+(docs/design.md §4.3-4.5). ``forward`` (MLABackendBase) writes the step's records and runs each
+token group: prefill requests the step builder put in MHA form through the MHA kernel over the
+window's decompressed keys, the others absorbed through ``forward_static``, which runs the
+provider on the step's indices for this window. FlashMLA gets decodes (FP8 cache kernel) apart
+from prefills (bf16 gather kernel); the Triton kernel and the reference take both in one call,
 since all causality lives in the indices.
 """
 
@@ -14,49 +15,58 @@ from __future__ import annotations
 import paddle
 
 from fastdeploy.config import SWA_GROUP, KernelConfig
-from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.forward_meta import ForwardMeta, TokenGroup
+from fastdeploy.model_executor.layers.attention.base_backend import MLABackendBase
 from fastdeploy.model_executor.layers.attention.sparse_mla_providers import sparse_mla_attention
-from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import write_mla_fp8_cache, write_mla_fp8_cache_ref
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import (
+    RECORD_BYTES,
+    dequant_mla_fp8_cache,
+    dequant_mla_fp8_cache_ref,
+    write_mla_fp8_cache,
+    write_mla_fp8_cache_ref,
+)
 
 
-class DSAAttentionBackend:
+class DSAAttentionBackend(MLABackendBase):
     def __init__(self, softmax_scale: float, sliding_window: int, kernels: KernelConfig) -> None:
-        self.softmax_scale = softmax_scale
+        super().__init__(softmax_scale, kernels)
+        self.write_records = write_mla_fp8_cache if kernels.triton else write_mla_fp8_cache_ref
+        self.dequant_records = dequant_mla_fp8_cache if kernels.triton else dequant_mla_fp8_cache_ref
         self.sliding_window = sliding_window
-        self.kernels = kernels
-        self.write_cache = write_mla_fp8_cache if kernels.triton else write_mla_fp8_cache_ref
+        self.absorbed_on_reference = kernels.sparse_mla_provider == "reference"
 
-    def q_dtype(self, model_dtype: paddle.dtype) -> str:
-        """bf16 for the GPU kernels (docs/design.md §4.5); a float32 CPU model keeps float32 on the
-        reference, so SWA layers add no rounding beyond the FP8 cache."""
-        if self.kernels.sparse_mla_provider == "reference" and model_dtype == paddle.float32:
-            return "float32"
-        return "bfloat16"
+    @property
+    def window(self) -> int:
+        return self.sliding_window
 
-    def forward(
-        self, q: paddle.Tensor, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta
-    ) -> paddle.Tensor:
-        """q [T, H, 576] (absorbed), kv_c [T, 512] and k_pe [T, 64] in the model dtype, cache uint8
-        [num_blocks, block_size, 1, 656] -> latent float32 [T, H, 512]."""
-        self.write_cache(kv_c, k_pe, meta.slot_mapping[SWA_GROUP], cache)
-        q = q.astype(self.q_dtype(kv_c.dtype))
-        return self.forward_static(q, cache, meta.swa_indices[self.sliding_window], meta)
+    def write_cache(self, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> None:
+        self.write_records(kv_c, k_pe, meta.slot_mapping[SWA_GROUP], cache)
+
+    def read_cache(self, cache: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
+        return self.dequant_records(cache.reshape([-1, RECORD_BYTES])[slots]).astype("float32")
+
+    def absorbed(self, q: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta, group: TokenGroup) -> paddle.Tensor:
+        indices = meta.swa_indices[self.sliding_window]
+        idx = indices if group.tokens is None else indices[group.tokens]
+        return self.forward_static(q, cache, idx, meta, group.is_prefill)
 
     def forward_static(
-        self, q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor, meta: ForwardMeta
+        self,
+        q: paddle.Tensor,
+        kv_cache: paddle.Tensor,
+        indices: paddle.Tensor,
+        meta: ForwardMeta,
+        is_prefill: bool = False,
     ) -> paddle.Tensor:
-        """q [T, H, 576], kv_cache uint8 [num_blocks, block_size, 1, 656], indices int32 [T, topk]
-        -> latent float32 [T, H, 512]."""
-        provider = self.kernels.sparse_mla_provider
-        out = None
-        for group in meta.sparse_groups:
-            t = group.tokens
-            qs, idx = (q, indices) if t is None else (q[t], indices[t])
-            o = sparse_mla_attention(
-                qs, kv_cache, idx, self.softmax_scale, provider, group.is_prefill, meta.flashmla_schedule
-            )[0].astype("float32")
-            if t is None:
-                return o
-            out = paddle.zeros([q.shape[0], q.shape[1], 512], "float32") if out is None else out
-            out[t] = o
-        return out
+        """q [n, H, 576], kv_cache uint8 [num_blocks, block_size, 1, 656], indices int32 [n, topk]
+        -> latent float32 [n, H, 512], through the step's sparse MLA provider."""
+        out, _ = sparse_mla_attention(
+            q,
+            kv_cache,
+            indices,
+            self.softmax_scale,
+            self.kernels.sparse_mla_provider,
+            is_prefill,
+            meta.flashmla_schedule,
+        )
+        return out.astype("float32")

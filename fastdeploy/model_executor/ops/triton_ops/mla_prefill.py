@@ -10,14 +10,23 @@ import paddle
 from fastdeploy.model_executor.ops.triton_ops.mla_prefill_kernel import D_NOPE, D_ROPE, D_V, launch_mla_prefill
 
 
-def _check(q: paddle.Tensor, k: paddle.Tensor, k_rope: paddle.Tensor, v: paddle.Tensor) -> None:
-    H = q.shape[1]
-    if q.ndim != 3 or q.shape[2] != D_NOPE + D_ROPE:
-        raise ValueError(f"mla_prefill: q must be [T, H, 192], got {list(q.shape)}")
-    S = k.shape[0]
-    for name, x, want in (("k", k, [S, H, D_NOPE]), ("k_rope", k_rope, [S, D_ROPE]), ("v", v, [S, H, D_V])):
+def _check(q: paddle.Tensor, k: paddle.Tensor, k_rope: paddle.Tensor, v: paddle.Tensor) -> int:
+    """-> the nope width (128 for DeepSeek-V3)."""
+    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3 or k_rope.ndim != 2:
+        raise ValueError(
+            f"mla_prefill: want q [T, H, {D_NOPE + D_ROPE}], k [S, H, {D_NOPE}], k_rope [S, {D_ROPE}], "
+            f"v [S, H, {D_V}]; got {list(q.shape)}, {list(k.shape)}, {list(k_rope.shape)}, {list(v.shape)}"
+        )
+    H, S, nope = q.shape[1], k.shape[0], k.shape[2]
+    for name, x, want in (
+        ("q", q, [q.shape[0], H, nope + D_ROPE]),
+        ("k", k, [S, H, nope]),
+        ("k_rope", k_rope, [S, D_ROPE]),
+        ("v", v, [S, H, v.shape[2]]),
+    ):
         if list(x.shape) != want:
             raise ValueError(f"mla_prefill: {name} must be {want}, got {list(x.shape)}")
+    return nope
 
 
 def mla_prefill_attention(
@@ -34,7 +43,7 @@ def mla_prefill_attention(
 ) -> paddle.Tensor:
     """The Triton kernel: out [T, H, 128] in q's dtype. The host arrays are int [B + 1] / [B]."""
     _check(q, k, k_rope, v)
-    out = paddle.empty([q.shape[0], q.shape[1], D_V], dtype=q.dtype)
+    out = paddle.empty([q.shape[0], q.shape[1], v.shape[2]], dtype=q.dtype)
     t = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
     max_q = int(np.diff(cu_seqlens_q).max()) if len(cu_seqlens_q) > 1 else 0
     launch_mla_prefill(
@@ -67,7 +76,7 @@ def mla_prefill_ref(
     window: int = 0,
 ) -> paddle.Tensor:
     """Paddle reference in float32, one request at a time (keys a query may not see are never read)."""
-    _check(q, k, k_rope, v)
+    nope = _check(q, k, k_rope, v)
     outs = []
     for b in range(len(cu_seqlens_q) - 1):
         qs, qe, ks, ke = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]))
@@ -82,8 +91,8 @@ def mla_prefill_ref(
         kb, rb, vb = (
             paddle.where(ok.reshape([-1] + [1] * (x.ndim - 1)), x, paddle.zeros_like(x)) for x in (kb, rb, vb)
         )
-        s = paddle.einsum("thd,shd->hts", qb[:, :, :D_NOPE], kb) + paddle.einsum("thd,sd->hts", qb[:, :, D_NOPE:], rb)
+        s = paddle.einsum("thd,shd->hts", qb[:, :, :nope], kb) + paddle.einsum("thd,sd->hts", qb[:, :, nope:], rb)
         s = paddle.where(seen.unsqueeze(0), s * softmax_scale, paddle.full_like(s, float("-inf")))
         p = paddle.nn.functional.softmax(s, axis=-1)
         outs.append(paddle.einsum("hts,shd->thd", p, vb).astype(q.dtype))
-    return paddle.concat(outs) if outs else paddle.empty([0, q.shape[1], D_V], q.dtype)
+    return paddle.concat(outs) if outs else paddle.empty([0, q.shape[1], v.shape[2]], q.dtype)

@@ -44,6 +44,9 @@ def _mla_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_BF16: tl.constexpr,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    D_V: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -60,11 +63,12 @@ def _mla_prefill_kernel(
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n
     qpos = p0 + rows
-    dn = tl.arange(0, 128)
-    dr = tl.arange(0, 64)
+    dn = tl.arange(0, D_NOPE)
+    dr = tl.arange(0, D_ROPE)
+    dv = tl.arange(0, D_V)
     q_ptr = Q + (q_lo + rows)[:, None] * sq_t + h * sq_h
     qn = tl.load(q_ptr + dn[None, :], mask=row_ok[:, None], other=0.0)
-    qr = tl.load(q_ptr + 128 + dr[None, :], mask=row_ok[:, None], other=0.0)
+    qr = tl.load(q_ptr + D_NOPE + dr[None, :], mask=row_ok[:, None], other=0.0)
     if not DOT_BF16:  # the interpreter gets bf16 arithmetic wrong
         qn = qn.to(tl.float32)
         qr = qr.to(tl.float32)
@@ -79,14 +83,14 @@ def _mla_prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, 128], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_V], tl.float32)
     for start in range(j_start, j_hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         kpos = kp0 + cols
         in_tile = (cols >= j_lo) & (cols < j_hi)  # seen by some query of the tile; others may hold NaN
         kn = tl.load(K + (k_lo + cols)[:, None] * sk_s + h * sk_h + dn[None, :], mask=in_tile[:, None], other=0.0)
         kr = tl.load(KR + (k_lo + cols)[:, None] * skr_s + dr[None, :], mask=in_tile[:, None], other=0.0)
-        v = tl.load(V + (k_lo + cols)[:, None] * sv_s + h * sv_h + dn[None, :], mask=in_tile[:, None], other=0.0)
+        v = tl.load(V + (k_lo + cols)[:, None] * sv_s + h * sv_h + dv[None, :], mask=in_tile[:, None], other=0.0)
         if not DOT_BF16:
             kn = kn.to(tl.float32)
             kr = kr.to(tl.float32)
@@ -105,7 +109,7 @@ def _mla_prefill_kernel(
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        Out + (q_lo + rows)[:, None] * so_t + h * so_h + dn[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None]
+        Out + (q_lo + rows)[:, None] * so_t + h * so_h + dv[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None]
     )
 
 
@@ -137,7 +141,8 @@ def launch_mla_prefill(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> None:
-    """q [T, H, 192], k [S, H, 128], k_rope [S, 64], v [S, H, 128] -> out [T, H, 128] (written);
+    """q [T, H, 192], k [S, H, 128], k_rope [S, 64], v [S, H, 128] -> out [T, H, 128] (written;
+    DeepSeek-V3's widths, any powers of two >= 16 work: the tiny test models use 32 + 64 and 32);
     cu_q / cu_k int32 [B + 1], q_start / k_start int32 [B] (positions of each request's first query
     / key); window <= 0 for full causal attention; max_q the longest request's query count.
     Default tile by window (``tuned_config``)."""
@@ -173,6 +178,9 @@ def launch_mla_prefill(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_BF16=not interpret_mode(),
+        D_NOPE=int(k.shape[2]),
+        D_ROPE=int(k_rope.shape[1]),
+        D_V=int(v.shape[2]),
         num_warps=num_warps,
         num_stages=num_stages,
     )

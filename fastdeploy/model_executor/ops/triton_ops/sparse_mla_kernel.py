@@ -65,8 +65,10 @@ def _load_slot_latent(rec, ok, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, C
     each slot's first byte, or first bf16 value with CACHE_BF16)."""
     if CACHE_BF16:
         kv = tl.load(rec[:, None] + tl.arange(0, 512)[None, :], mask=ok[:, None], other=0.0)
-        return kv.to(tl.float32).to(DOT_DTYPE)
-    return _load_latent(rec, ok, BLOCK_N, DOT_DTYPE)
+        kv = kv.to(tl.float32).to(DOT_DTYPE)
+    else:
+        kv = _load_latent(rec, ok, BLOCK_N, DOT_DTYPE)
+    return kv
 
 
 @triton.jit
@@ -74,8 +76,10 @@ def _load_slot_chunk(rec, ok, c: tl.constexpr, DOT_DTYPE: tl.constexpr, CACHE_BF
     """Latent values 128*c .. 128*c+127 of the slots -> [N, 128] DOT_DTYPE."""
     if CACHE_BF16:
         kv = tl.load(rec[:, None] + (c * 128 + tl.arange(0, 128))[None, :], mask=ok[:, None], other=0.0)
-        return kv.to(tl.float32).to(DOT_DTYPE)
-    return _load_latent_chunk(rec, ok, c, DOT_DTYPE)
+        kv = kv.to(tl.float32).to(DOT_DTYPE)
+    else:
+        kv = _load_latent_chunk(rec, ok, c, DOT_DTYPE)
+    return kv
 
 
 @triton.jit
