@@ -54,6 +54,8 @@ def make_batch(rng, reqs, W, H=4):
         (33, [(31, 1), (32, 65), (63, 2)]),  # positions W-1, W, W+1 at block edges
         (0, [(0, 50), (17, 20)]),  # full causal: a full layer's prefill
         (64, [(0, 130), (64, 64)]),  # window = tile
+        (200, [(250, 150), (3, 140)]),  # tiles every query sees whole (no mask) between masked edges
+        (0, [(300, 70)]),  # full causal over a long context: mostly unmasked tiles
     ],
 )
 def test_matches_float64(impl, W, reqs, rng):

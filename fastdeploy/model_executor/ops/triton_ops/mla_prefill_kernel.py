@@ -20,6 +20,67 @@ D_NOPE, D_ROPE, D_V = 128, 64, 128
 
 
 @triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    qn,
+    qr,
+    qpos,
+    start,
+    kp0,
+    k_lo,
+    j_lo,
+    j_hi,
+    window,
+    qk_scale,
+    K,
+    KR,
+    V,
+    sk_s,
+    sk_h,
+    skr_s,
+    sv_s,
+    sv_h,
+    h,
+    dn,
+    dr,
+    dv,
+    BLOCK_N: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One tile of BLOCK_N keys from key index ``start`` into the online softmax (exp2 domain).
+    MASKED: apply causality, the window and the request's key range; else every query sees every key."""
+    cols = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_tile = (cols >= j_lo) & (cols < j_hi)  # seen by some query of the tile; others may hold NaN
+    else:
+        in_tile = cols >= 0
+    kn = tl.load(K + (k_lo + cols)[:, None] * sk_s + h * sk_h + dn[None, :], mask=in_tile[:, None], other=0.0)
+    kr = tl.load(KR + (k_lo + cols)[:, None] * skr_s + dr[None, :], mask=in_tile[:, None], other=0.0)
+    v = tl.load(V + (k_lo + cols)[:, None] * sv_s + h * sv_h + dv[None, :], mask=in_tile[:, None], other=0.0)
+    if not DOT_BF16:  # the interpreter gets bf16 arithmetic wrong
+        kn = kn.to(tl.float32)
+        kr = kr.to(tl.float32)
+        v = v.to(tl.float32)
+    s = (tl.dot(qn, tl.trans(kn)) + tl.dot(qr, tl.trans(kr))) * qk_scale
+    if MASKED:
+        kpos = kp0 + cols
+        seen = (kpos[None, :] <= qpos[:, None]) & in_tile[None, :]
+        seen = seen & ((window <= 0) | (kpos[None, :] > qpos[:, None] - window))
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = p.to(v.dtype) if DOT_BF16 else p
+    acc = acc * alpha[:, None] + tl.dot(pv, v)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _mla_prefill_kernel(
     Q,
     K,
@@ -84,29 +145,110 @@ def _mla_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-    for start in range(j_start, j_hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        kpos = kp0 + cols
-        in_tile = (cols >= j_lo) & (cols < j_hi)  # seen by some query of the tile; others may hold NaN
-        kn = tl.load(K + (k_lo + cols)[:, None] * sk_s + h * sk_h + dn[None, :], mask=in_tile[:, None], other=0.0)
-        kr = tl.load(KR + (k_lo + cols)[:, None] * skr_s + dr[None, :], mask=in_tile[:, None], other=0.0)
-        v = tl.load(V + (k_lo + cols)[:, None] * sv_s + h * sv_h + dv[None, :], mask=in_tile[:, None], other=0.0)
-        if not DOT_BF16:
-            kn = kn.to(tl.float32)
-            kr = kr.to(tl.float32)
-            v = v.to(tl.float32)
-        s = (tl.dot(qn, tl.trans(kn)) + tl.dot(qr, tl.trans(kr))) * scale
-        seen = (kpos[None, :] <= qpos[:, None]) & in_tile[None, :]
-        seen = seen & ((window <= 0) | (kpos[None, :] > qpos[:, None] - window))
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pv = p.to(v.dtype) if DOT_BF16 else p
-        acc = acc * alpha[:, None] + tl.dot(pv, v)
-        m_i = m_new
+    qk_scale = scale * 1.4426950408889634  # exp2 domain
+    # Tiles every query of the tile sees whole (no mask): keys at or before the first query and
+    # after the last query's window start. Masked tiles before (window edge) and after (diagonal).
+    u_lo = j_lo
+    if window > 0:
+        u_lo = tl.maximum(u_lo, last - window + 1 - kp0)
+    u_lo = j_start + tl.cdiv(tl.maximum(u_lo - j_start, 0), BLOCK_N) * BLOCK_N
+    u_hi = tl.minimum(first - kp0 + 1, j_hi)
+    u_hi = j_start + tl.maximum(u_hi - j_start, 0) // BLOCK_N * BLOCK_N
+    lo_end = tl.minimum(u_lo, j_hi)
+    mid_end = tl.maximum(u_hi, lo_end)
+    for start in range(j_start, lo_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc,
+            m_i,
+            l_i,
+            qn,
+            qr,
+            qpos,
+            start,
+            kp0,
+            k_lo,
+            j_lo,
+            j_hi,
+            window,
+            qk_scale,
+            K,
+            KR,
+            V,
+            sk_s,
+            sk_h,
+            skr_s,
+            sv_s,
+            sv_h,
+            h,
+            dn,
+            dr,
+            dv,
+            BLOCK_N,
+            DOT_BF16,
+            True,
+        )
+    for start in range(lo_end, mid_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc,
+            m_i,
+            l_i,
+            qn,
+            qr,
+            qpos,
+            start,
+            kp0,
+            k_lo,
+            j_lo,
+            j_hi,
+            window,
+            qk_scale,
+            K,
+            KR,
+            V,
+            sk_s,
+            sk_h,
+            skr_s,
+            sv_s,
+            sv_h,
+            h,
+            dn,
+            dr,
+            dv,
+            BLOCK_N,
+            DOT_BF16,
+            False,
+        )
+    for start in range(mid_end, j_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc,
+            m_i,
+            l_i,
+            qn,
+            qr,
+            qpos,
+            start,
+            kp0,
+            k_lo,
+            j_lo,
+            j_hi,
+            window,
+            qk_scale,
+            K,
+            KR,
+            V,
+            sk_s,
+            sk_h,
+            skr_s,
+            sv_s,
+            sv_h,
+            h,
+            dn,
+            dr,
+            dv,
+            BLOCK_N,
+            DOT_BF16,
+            True,
+        )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         Out + (q_lo + rows)[:, None] * so_t + h * so_h + dv[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None]
