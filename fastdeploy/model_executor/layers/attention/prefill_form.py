@@ -6,16 +6,16 @@ A request computing ``chunk`` tokens from position ``start`` sees, with window W
   W_UK and W_UV (512 -> 128 + 128): 2 * H * (pairs * 320 + keys * 512 * 256) FLOPs;
 - absorbed form: QK 576 + PV 512 on the pairs: 2 * H * pairs * 1088 FLOPs.
 Each is divided by the rate our kernels reached on an H200 (benchmarks/README.md, MLA prefill,
-2026-12-02, 128 heads, C = W = 4096), and the MHA form pays a fixed cost for its extra launches
+2026-12-03, 128 heads, C = W = 4096), and the MHA form pays a fixed cost for its extra launches
 (cache gather and de-quantization, two matmuls). So short chunks (a few tokens over a long
 context) stay absorbed and long chunks go MHA whenever the decompression is paid back.
 """
 
 from __future__ import annotations
 
-MHA_ATTENTION_FLOPS = 294e12  # the MHA-form prefill kernel, 4.675 ms
-DECOMPRESS_FLOPS = 654e12  # the W_UK / W_UV matmuls, bf16 (5.097 - 4.675 ms for 8192 keys)
-ABSORBED_FLOPS = 221e12  # our sparse MLA kernel on prefill (21.1 ms)
+MHA_ATTENTION_FLOPS = 435e12  # the MHA-form prefill kernel, 3.158 ms
+DECOMPRESS_FLOPS = 586e12  # the W_UK / W_UV matmuls, bf16 (3.627 - 3.158 ms for 8191 keys)
+ABSORBED_FLOPS = 222e12  # our sparse MLA kernel on prefill (20.99 ms)
 MHA_FIXED_SECONDS = 30e-6  # the MHA path's four extra launches, small shapes
 
 
