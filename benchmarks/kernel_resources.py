@@ -26,6 +26,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
+    fp8_gemm_kernel as gemm,
+)
+from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     mla_fp8_cache_kernel as fp8,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
@@ -143,6 +146,37 @@ def cases():
         {"BLOCK_M": 128, "BLOCK_N": 64, "DOT_BF16": True, "D_NOPE": 128, "D_ROPE": 64, "D_V": 128},
         {"num_warps": 8, "num_stages": 3},
     )
+    yield (
+        "fp8_act_quant",
+        gemm._act_quant_kernel,
+        {
+            "X": "*bf16",
+            "Codes": "*u8",
+            "Scales": "*fp32",
+            **{n: "i32" for n in ("M", "K", "sx", "sc", "ss")},
+            "FP8_BLOCK_": "constexpr",
+        },
+        {"FP8_BLOCK_": 128},
+        {},
+    )
+    for cfg in (gemm.tuned_config(4096, 7168, 2048), gemm.tuned_config(1, 7168, 16384)):  # large and small M
+        yield (
+            f"w8a8_gemm m{cfg['block_m']} n{cfg['block_n']}",
+            gemm._w8a8_gemm_kernel,
+            {
+                "A": "*u8",
+                "AS": "*fp32",
+                "B": "*u8",
+                "BS": "*fp32",
+                "C": "*bf16",
+                **{n: "i32" for n in ("M", "N", "K", "sa", "sas", "sb", "sbs", "sc_split", "sc", "kb_per_split")},
+                "BLOCK_M": "constexpr",
+                "BLOCK_N": "constexpr",
+                "DOT_FP8": "constexpr",
+            },
+            {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "DOT_FP8": True},
+            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+        )
     yield (
         "sparse_mla_combine",
         sparse._combine_kernel,

@@ -1,0 +1,157 @@
+"""W8A8 block-scaled GEMM (docs/design.md §4.8, DeepSeek-V3's inference recipe), Triton, paddle-free.
+
+y [M, N] = x [M, K] @ W^T with W given as e4m3 codes uint8 [N, K] and float32 scales
+ws [ceil(N/128), ceil(K/128)] (the real weight is code * scale per 128 x 128 block).
+1. ``_act_quant_kernel``: per token per 128 input columns, s = max(amax, 1e-12) / 448 and the
+   e4m3 code of x / s (round to nearest even, the same integer rounding as the FP8 cache writer).
+2. ``_w8a8_gemm_kernel``: for each 128-wide K block, one FP8 x FP8 tensor-core dot with float32
+   accumulation, scaled by the token's activation scale times the weight block's scale, summed
+   over K blocks. BLOCK_N divides 128, so a tile's columns share one weight scale per K block.
+   With SPLIT_K > 1 each program sums its share of the K blocks into a float32 partial
+   [SPLIT_K, M, N], which the caller sums (small M: more programs than M x N tiles alone give).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode, launch, stride
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import _e4m3_byte
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+SCALE_FLOOR = 1e-12  # an all-zero block gets codes 0 and a tiny scale instead of 0 / 0
+
+
+@triton.jit
+def _act_quant_kernel(X, Codes, Scales, M, K, sx, sc, ss, FP8_BLOCK_: tl.constexpr):
+    """One program: one token's 128 columns of block kb -> codes uint8 and a float32 scale."""
+    m = tl.program_id(0)
+    kb = tl.program_id(1)
+    cols = kb * FP8_BLOCK_ + tl.arange(0, FP8_BLOCK_)
+    ok = cols < K
+    x = tl.load(X + m.to(tl.int64) * sx + cols, mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / 448.0
+    q = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+    tl.store(Codes + m.to(tl.int64) * sc + cols, _e4m3_byte(q), mask=ok)
+    tl.store(Scales + m.to(tl.int64) * ss + kb, s)
+
+
+@triton.jit
+def _w8a8_gemm_kernel(
+    A,
+    AS,
+    B,
+    BS,
+    C,
+    M,
+    N,
+    K,
+    sa,
+    sas,
+    sb,
+    sbs,
+    sc_split,
+    sc,
+    kb_per_split,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP8: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok, c_ok = rows < M, cols < N
+    kk = tl.arange(0, 128)
+    n_kb = tl.cdiv(K, 128)
+    kb_lo = split * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, n_kb)
+    a_ptr = A + rows.to(tl.int64)[:, None] * sa + kk[None, :]
+    b_ptr = B + cols.to(tl.int64)[:, None] * sb + kk[None, :]
+    nb = (pid_n * BLOCK_N) // 128  # the tile's weight-scale row
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        k_ok = kb * 128 + kk < K
+        a = tl.load(a_ptr + kb * 128, mask=r_ok[:, None] & k_ok[None, :], other=0)
+        b = tl.load(b_ptr + kb * 128, mask=c_ok[:, None] & k_ok[None, :], other=0)
+        a = a.to(tl.float8e4nv, bitcast=True)
+        b = b.to(tl.float8e4nv, bitcast=True)
+        if not DOT_FP8:  # the interpreter: exact products in float32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        part = tl.dot(a, tl.trans(b))  # [BLOCK_M, BLOCK_N] float32
+        a_s = tl.load(AS + rows.to(tl.int64) * sas + kb, mask=r_ok, other=0.0)
+        b_s = tl.load(BS + nb * sbs + kb)
+        acc += part * (a_s * b_s)[:, None]
+    dst = C + split * sc_split + rows.to(tl.int64)[:, None] * sc + cols[None, :]
+    tl.store(dst, acc.to(C.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
+    """Tile and split-K for a shape: 128 x 128 tiles for M >= 128; 64-wide N tiles and small M
+    tiles below, split over K until about two programs an SM (small M is bandwidth-bound)."""
+    if M >= 128:
+        cfg = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+    else:
+        cfg = {"block_m": max(16, triton.next_power_of_2(M)), "block_n": 64, "num_warps": 4, "num_stages": 4}
+    tiles = triton.cdiv(M, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"])
+    n_kb = triton.cdiv(K, FP8_BLOCK)
+    split = max(1, min(n_kb // 2, (2 * num_sms) // tiles)) if tiles < num_sms else 1
+    cfg["split_k"] = triton.cdiv(n_kb, triton.cdiv(n_kb, split))  # every split gets K blocks
+    return cfg
+
+
+def launch_act_quant(x, codes, scales) -> None:
+    """x [M, K] (bf16 / float32, rows may be strided) -> codes uint8 [M, K], scales float32
+    [M, ceil(K / 128)]."""
+    M, K = int(x.shape[0]), int(x.shape[1])
+    if M == 0:
+        return
+    grid = (M, triton.cdiv(K, FP8_BLOCK))
+    launch(
+        _act_quant_kernel, grid, x, codes, scales, M, K, stride(x, 0), stride(codes, 0), stride(scales, 0), FP8_BLOCK
+    )
+
+
+def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict) -> None:
+    """a uint8 [M, K] codes, a_s float32 [M, ceil(K/128)], b uint8 [N, K], b_s float32
+    [ceil(N/128), ceil(K/128)] -> out [SPLIT_K, M, N] (float32 partials when cfg["split_k"] > 1,
+    else [1, M, N] or [M, N] in the output dtype)."""
+    M, K, N = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
+    if M == 0 or N == 0:
+        return
+    n_kb = triton.cdiv(K, FP8_BLOCK)
+    per = triton.cdiv(n_kb, cfg["split_k"])
+    if triton.cdiv(n_kb, per) != cfg["split_k"] or 128 % cfg["block_n"]:
+        raise ValueError(
+            f"w8a8 gemm: split_k {cfg['split_k']} leaves a split empty for {n_kb} K blocks, or block_n "
+            f"{cfg['block_n']} does not divide 128"
+        )
+    grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]), cfg["split_k"])
+    launch(
+        _w8a8_gemm_kernel,
+        grid,
+        a,
+        a_s,
+        b,
+        b_s,
+        out,
+        M,
+        N,
+        K,
+        stride(a, 0),
+        stride(a_s, 0),
+        stride(b, 0),
+        stride(b_s, 0),
+        M * N,
+        N,
+        per,
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        DOT_FP8=not interpret_mode(),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )

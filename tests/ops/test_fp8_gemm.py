@@ -1,0 +1,86 @@
+"""W8A8 block-scaled linear: the Triton kernels (interpreter) and the paddle reference against a
+float64 numpy reference of the same math (activations quantized per token per 128 columns,
+weights de-quantized per 128 x 128 block), on shapes that are not tile multiples."""
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import (
+    check_fp8_weight,
+    quantize_activations_ref,
+    w8a8_block_linear,
+    w8a8_block_linear_ref,
+)
+from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_w8a8_gemm
+from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32
+
+GRID = E4M3_TO_F32[:127].astype(np.float64)  # the non-negative finite e4m3 values, codes 0..126
+
+
+def e4m3_round(x):
+    """Nearest e4m3 value, ties to the even code (float64)."""
+    a = np.abs(x)
+    hi = np.clip(np.searchsorted(GRID, a), 0, 126)
+    lo = np.clip(hi - 1, 0, 126)
+    take_lo = (a - GRID[lo] < GRID[hi] - a) | ((a - GRID[lo] == GRID[hi] - a) & (lo % 2 == 0))
+    return np.sign(x) * np.where(take_lo, GRID[lo], GRID[hi])
+
+
+def numpy_ref(x, codes, scale):
+    M, K = x.shape
+    N = codes.shape[0]
+    xq = np.zeros_like(x, dtype=np.float64)
+    for kb in range(0, K, 128):
+        blk = x[:, kb : kb + 128].astype(np.float64)
+        s = np.maximum(np.abs(blk).max(1, keepdims=True), 1e-12).astype(np.float32).astype(np.float64) / 448
+        s = s.astype(np.float32).astype(np.float64)  # the kernels keep the scale in float32
+        xq[:, kb : kb + 128] = e4m3_round(np.clip(blk / s, -448, 448)) * s
+    w = E4M3_TO_F32[codes].astype(np.float64) * np.repeat(np.repeat(scale, 128, 0), 128, 1)[:N, :K]
+    return xq @ w.T
+
+
+def make(rng, M, N, K):
+    x = (rng.standard_normal((M, K)) * rng.uniform(0.1, 10, (M, 1))).astype(np.float32)
+    x[0, : min(K, 128)] = 0  # an all-zero block
+    codes = rng.integers(0, 256, (N, K)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+    scale = rng.uniform(1e-3, 1e-2, (-(-N // 128), -(-K // 128))).astype(np.float32)
+    return x, codes, scale
+
+
+@pytest.mark.parametrize("impl", [w8a8_block_linear, w8a8_block_linear_ref], ids=["triton", "ref"])
+@pytest.mark.parametrize("M, N, K", [(1, 200, 300), (5, 128, 256), (37, 130, 129), (130, 64, 384)])
+def test_matches_float64(impl, M, N, K, rng):
+    x, codes, scale = make(rng, M, N, K)
+    got = impl(paddle.to_tensor(x), paddle.to_tensor(codes), paddle.to_tensor(scale)).numpy()
+    want = numpy_ref(x, codes, scale)
+    assert got.shape == (M, N) and np.isfinite(got).all()
+    err = np.linalg.norm(got - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
+    assert err.max() < 1e-5, err.max()  # float32 accumulation of identical products
+
+
+@pytest.mark.parametrize(
+    "cfg", [{"block_m": 16, "block_n": 32, "split_k": 1}, {"block_m": 32, "block_n": 64, "split_k": 3}]
+)
+def test_tiles_and_split_k(cfg, rng):
+    """A one-split launch writes the output directly; split partials sum to the same product."""
+    x, codes, scale = make(rng, 20, 70, 300)
+    a, a_s = quantize_activations_ref(paddle.to_tensor(x))
+    out = paddle.full([cfg["split_k"], 20, 70], float("nan"), "float32")
+    launch_w8a8_gemm(
+        a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, {**cfg, "num_warps": 4, "num_stages": 1}
+    )
+    got = out.numpy().sum(0)
+    want = numpy_ref(x, codes, scale)
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+
+
+def test_bad_weights_named(rng):
+    x, codes, scale = make(rng, 2, 200, 300)
+    with pytest.raises(ValueError, match="q_proj.weight_scale_inv: must be float32 \\[2, 3\\]"):
+        check_fp8_weight(paddle.to_tensor(codes), paddle.to_tensor(scale[:1]), "q_proj.weight")
+    with pytest.raises(ValueError, match="uint8"):
+        check_fp8_weight(paddle.to_tensor(codes.astype(np.float32)), paddle.to_tensor(scale), "w")
+    with pytest.raises(ValueError, match="300 columns"):
+        w8a8_block_linear(paddle.to_tensor(x), paddle.to_tensor(codes[:, :256]), paddle.to_tensor(scale[:, :2]))
