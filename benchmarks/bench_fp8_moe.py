@@ -34,6 +34,7 @@ from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: 
 )
 
 DEV = "cuda"
+sweep_only = False
 SHAPES = {
     "q_b_proj": (24576, 1536),
     "o_proj": (7168, 16384),
@@ -74,7 +75,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def case(name: str, N: int, K: int, M: int, g: torch.Generator) -> dict:
+def case(name: str, N: int, K: int, M: int, g: torch.Generator, cfg: dict | None = None) -> dict:
     x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
     w = torch.randn(N, K, device=DEV, generator=g) * 0.02
     ws = w.view(N // 128, 128, K // 128, 128).abs().amax((1, 3)) / 448  # block scales
@@ -83,7 +84,7 @@ def case(name: str, N: int, K: int, M: int, g: torch.Generator) -> dict:
     codes_u8 = codes.view(torch.uint8)
     w_bf16 = w_deq.to(torch.bfloat16)
 
-    cfg = tuned_config(M, N, K)
+    cfg = cfg or tuned_config(M, N, K)
     a = torch.empty(M, K, device=DEV, dtype=torch.uint8)
     a_s = torch.empty(M, K // 128, device=DEV)
     out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
@@ -101,6 +102,9 @@ def case(name: str, N: int, K: int, M: int, g: torch.Generator) -> dict:
     row = {"shape": name, "N": N, "K": K, "M": M, "config": cfg, "rel_err": rel(ours(), want)}
     flops = 2 * M * N * K
     row["ours_ms"] = bench(ours)
+    if sweep_only:
+        row["ours_tflops"] = flops / row["ours_ms"] / 1e9
+        return row
     row["bf16_ms"] = bench(lambda: x @ w_bf16.T)
     row["bf16_rel_err"] = rel(x @ w_bf16.T, x.float() @ w_bf16.float().T)
 
@@ -128,8 +132,50 @@ def case(name: str, N: int, K: int, M: int, g: torch.Generator) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true", help="tile configs instead (kernel rows only)")
     args = ap.parse_args()
     g = torch.Generator(device=DEV).manual_seed(0)
+    if args.sweep:
+        global sweep_only
+        sweep_only = True
+        rows = []
+        big = [(bm, bn, w, st) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (3, 4, 5)]
+        for name, M in (("dense_gate_up", 4096), ("o_proj", 512)):
+            N, K = SHAPES[name]
+            for bm, bn, w, st in big:
+                cfg = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "split_k": 1}
+                try:
+                    rows.append(case(name, N, K, M, g, cfg))
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    rows.append({"shape": name, "M": M, "config": cfg, "error": repr(e)[:150]})
+                print(json.dumps(rows[-1]), flush=True)
+        for name in ("expert_down", "expert_gate_up", "o_proj"):
+            N, K = SHAPES[name]
+            for bn in (16, 32, 64):
+                for split in (1, 2, 4):
+                    cfg = {"block_m": 16, "block_n": bn, "num_warps": 4, "num_stages": 4, "split_k": split}
+                    try:
+                        rows.append(case(name, N, K, 1, g, cfg))
+                    except Exception as e:  # noqa: BLE001
+                        rows.append({"shape": name, "M": 1, "config": cfg, "error": repr(e)[:150]})
+                    print(json.dumps(rows[-1]), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        for r in rows:
+            c = r["config"]
+            print(
+                r["shape"],
+                r["M"],
+                c["block_m"],
+                c["block_n"],
+                c["num_warps"],
+                c["num_stages"],
+                c["split_k"],
+                f"{r.get('ours_ms', float('nan')):.4f}",
+                f"{r.get('ours_tflops', float('nan')):.0f}",
+            )
+        return
     res = {"device": torch.cuda.get_device_name(), **ceilings(), "gemm": []}
     for name, (N, K) in SHAPES.items():
         for M in MS:
