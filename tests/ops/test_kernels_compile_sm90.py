@@ -23,6 +23,15 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())
     names = {r["kernel"].split()[0] for r in rows}
-    assert names == {"fp8_write", "fp8_dequant", "swa_indexer", "sparse_mla", "sparse_mla_combine", "mla_prefill"}
+    assert names == {
+        "fp8_write",
+        "fp8_dequant",
+        "swa_indexer",
+        "sparse_mla",
+        "sparse_mla_combine",
+        "mla_prefill",
+        "fp8_act_quant",
+        "w8a8_gemm",
+    }
     for r in rows:
         assert r["shared_bytes"] <= SM90_SHARED_LIMIT, r
