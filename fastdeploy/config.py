@@ -58,6 +58,10 @@ class ModelConfig:
     sliding_window: int | None = None
     window_attn_skip_freq: list[int] = field(default_factory=list)
     swa_rope_theta: float | None = None
+    # Weights: "fp8" when config.json's quantization_config says DeepSeek's FP8 block format
+    # (checkpoint_quant); how the model keeps them (quantization, resolved by EngineArgs).
+    checkpoint_quant: str | None = None
+    quantization: str = "none"
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ModelConfig:
@@ -72,8 +76,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        names = {f.name for f in fields(cls)} - {"sliding_window", "window_attn_skip_freq", "model_dir"}
+        names = {f.name for f in fields(cls)} - {
+            "sliding_window",
+            "window_attn_skip_freq",
+            "model_dir",
+            "checkpoint_quant",
+            "quantization",
+        }
         cfg = cls(**{k: v for k, v in raw.items() if k in names})
+        cfg.checkpoint_quant = _checkpoint_quant(raw.get("quantization_config"))
         if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
             raise ValueError(f"config key 'q_lora_rank' must be null or positive, got {cfg.q_lora_rank!r}")
         _resolve_swa(cfg, raw)
@@ -106,6 +117,37 @@ class ModelConfig:
         if self.eos_token_id is None:
             return []
         return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+
+def _checkpoint_quant(qc: Any) -> str | None:
+    """``quantization_config`` -> "fp8" for DeepSeek's 128 x 128 block FP8, None when absent."""
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        raise ValueError(f"config key 'quantization_config.quant_method'={method!r}: only 'fp8' is supported")
+    block = qc.get("weight_block_size", [128, 128])
+    if list(block) != [128, 128]:
+        raise ValueError(f"config key 'quantization_config.weight_block_size'={block!r}: only [128, 128] is supported")
+    return "fp8"
+
+
+QUANTIZATIONS = ("auto", "fp8", "none")
+
+
+def resolve_quantization(setting: str, cfg: ModelConfig, on_gpu: bool) -> str:
+    """How to keep the weights: ``auto`` keeps an FP8 checkpoint FP8 on GPU and de-quantizes it on
+    CPU; ``fp8`` needs an FP8 checkpoint; ``none`` de-quantizes at load."""
+    if setting not in QUANTIZATIONS:
+        raise ValueError(f"quantization: unknown value {setting!r}; choose one of {QUANTIZATIONS}")
+    if setting == "fp8" and cfg.checkpoint_quant != "fp8":
+        raise ValueError(
+            "quantization: 'fp8' needs an FP8 checkpoint (config.json quantization_config.quant_method 'fp8'); "
+            f"{cfg.model_dir or 'this model'} has none"
+        )
+    if setting == "auto":
+        return "fp8" if cfg.checkpoint_quant == "fp8" and on_gpu else "none"
+    return setting
 
 
 def _is_int(v: Any) -> bool:

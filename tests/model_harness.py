@@ -26,8 +26,10 @@ class Harness:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
         kernels: KernelConfig | None = None,
+        quantization: str = "none",
     ) -> None:
         self.cfg = ModelConfig.from_pretrained(model_dir)
+        self.cfg.quantization = quantization
         self.kernels = kernels or KernelConfig()
         self.model = DeepseekV3ForCausalLM(self.cfg, "float32", self.kernels)
         load_weights(self.model, model_dir, self.cfg.num_hidden_layers, show_progress=False)

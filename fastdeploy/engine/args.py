@@ -18,11 +18,13 @@ from typing import Any
 from fastdeploy.config import (
     KV_CACHE_DTYPES,
     MLA_PREFILL_FORMS,
+    QUANTIZATIONS,
     CacheConfig,
     FDConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    resolve_quantization,
 )
 from fastdeploy.model_executor.kernel_select import KERNEL_BACKENDS, select_kernels
 from fastdeploy.model_executor.tiny_checkpoint import TINY_PRESET, resolve_model
@@ -69,6 +71,12 @@ class EngineArgs:
         "kernels run, else reference",
         ("auto", "flashmla", "triton", "reference"),
     )
+    quantization: str = setting(
+        "auto",
+        "weights of an FP8 checkpoint: fp8 keeps them FP8 (W8A8 block GEMM), none de-quantizes at load; auto: "
+        "fp8 when Triton kernels run, else none",
+        QUANTIZATIONS,
+    )
     mla_prefill_form: str = setting(
         "auto",
         "how prefill tokens attend: mha (keys decompressed, 192/128 wide per head), absorbed (MQA over the "
@@ -78,8 +86,11 @@ class EngineArgs:
 
     def create_config(self) -> FDConfig:
         """Every config, built by keyword; a ValueError names the bad setting."""
+        model_config = ModelConfig.from_pretrained(resolve_model(self.model))
+        kernels = select_kernels(self.kernel_backend, self.sparse_mla_provider, self.mla_prefill_form)
+        model_config.quantization = resolve_quantization(self.quantization, model_config, kernels.triton)
         return FDConfig(
-            model_config=ModelConfig.from_pretrained(resolve_model(self.model)),
+            model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -97,7 +108,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, dist_timeout=self.dist_timeout
             ),
-            kernel_config=select_kernels(self.kernel_backend, self.sparse_mla_provider, self.mla_prefill_form),
+            kernel_config=kernels,
         )
 
     @classmethod

@@ -1,7 +1,9 @@
 """Load Hugging Face safetensors checkpoints (one file or index-sharded) into the model.
 
 DeepSeek-V3 names map one to one onto the model's parameter names. FP8 e4m3 weights with a
-``<name>_scale_inv`` tensor (one float32 per 128 x 128 block) are de-quantized at load.
+``<name>_scale_inv`` tensor (one float32 per 128 x 128 block) are de-quantized at load, unless
+the model keeps that weight FP8 (a uint8 parameter with its own ``<name>_scale_inv``, see
+``layers/linear.py``): then codes and scales are copied as stored.
 Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are skipped. Under
 tensor parallelism each rank reads only its slice of each tensor (a parameter's ``tp_shard``),
 and skips the routed experts other ranks hold; an FP8 tensor is cut at its 128-blocks.
@@ -65,6 +67,23 @@ def fp8_block_scales(scale_inv: SafeTensorsFile, s: str, shard: tuple | None, ra
     return scale_inv.get(s, dim, start // FP8_BLOCK, -(-end // FP8_BLOCK))
 
 
+def load_fp8_kept(
+    params: dict, k: str, codes: np.ndarray, dtype: str, sources: dict, shard: tuple | None, rank: int
+) -> None:
+    """Copy FP8 codes into parameter ``k`` and their block scales into ``k + "_scale_inv"``."""
+    s = k + "_scale_inv"
+    if dtype != "F8_E4M3" or s not in sources:
+        raise CheckpointError(
+            f"tensor {k} is {dtype}{'' if s in sources else ' without ' + s}: the model keeps this weight FP8 "
+            "(--quantization fp8) and needs F8_E4M3 codes with their _scale_inv"
+        )
+    scales = fp8_block_scales(sources[s], s, shard, rank)
+    if list(scales.shape) != list(params[s].shape):
+        raise CheckpointError(f"tensor {s} has shape {list(scales.shape)}, the model expects {list(params[s].shape)}")
+    params[k].set_value(paddle.to_tensor(np.ascontiguousarray(codes, np.uint8)))
+    params[s].set_value(paddle.to_tensor(np.ascontiguousarray(scales, np.float32)))
+
+
 def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int, show_progress: bool = True) -> int:
     """Copy every checkpoint tensor (this rank's slice of it) into the parameter of the same name;
     errors name the tensor (and the rank). Returns the bytes read from the checkpoint."""
@@ -85,7 +104,8 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
         if k not in params:
             raise CheckpointError(f"unexpected tensor {k} in the checkpoint (no such parameter in the model)")
         names.append(k)
-    missing = sorted(set(params) - set(names))
+    kept_scales = {k for k in params if k.endswith("_scale_inv")}  # loaded with their FP8 weight
+    missing = sorted(set(params) - set(names) - kept_scales)
     if missing:
         raise CheckpointError(f"tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing)")
     for k in tqdm(sorted(names), desc="loading weights", unit="tensor", disable=not show_progress):
@@ -99,6 +119,9 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
             where = f" (tensor-parallel rank {rank})" if shard is not None and shard[3] != shard[2] - shard[1] else ""
             raise CheckpointError(f"tensor {k} has shape {list(f.shape(k))}, the model expects {expected}{where}")
         x = f.get(k) if shard is None else f.get(k, *shard[:3])
+        if p.dtype == paddle.uint8:  # kept FP8: codes and scales as the checkpoint stores them
+            load_fp8_kept(params, k, x, f.dtype(k), sources, shard, rank)
+            continue
         if f.dtype(k) == "F8_E4M3":
             s = k + "_scale_inv"
             if s not in sources:
@@ -110,3 +133,12 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
         if callable(hook):
             hook()
     return sum(f.bytes_read for f in set(sources.values()))
+
+
+def parameter_bytes(model: paddle.nn.Layer) -> dict[str, int]:
+    """Bytes of the model's parameters on this rank, by dtype name."""
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        name = str(p.dtype).replace("paddle.", "")
+        out[name] = out.get(name, 0) + int(np.prod(p.shape)) * p.element_size()
+    return out

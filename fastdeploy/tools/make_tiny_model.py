@@ -1,7 +1,7 @@
 """Write a small random DeepSeek-V3 MLA_SWA checkpoint (config, safetensors, BPE tokenizer).
 
     python -m fastdeploy.tools.make_tiny_model OUT_DIR [--seed N] [--num-layers L]
-        [--sliding-window W] [--swa-layers IDS] [--first-k-dense-replace K]
+        [--sliding-window W] [--swa-layers IDS] [--first-k-dense-replace K] [--fp8]
 
 IDS is a comma list of SWA layer ids, ``all`` or ``none``. Same arguments, same bytes. The
 writer itself is ``fastdeploy.model_executor.tiny_checkpoint`` (the engine builds the
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sliding-window", type=int, default=32)
     ap.add_argument("--first-k-dense-replace", type=int, default=1, help="leading dense-MLP layers (rest MoE)")
     ap.add_argument("--swa-layers", default=None, help="comma list of SWA layer ids, 'all' or 'none' (default: even)")
+    ap.add_argument(
+        "--fp8", action="store_true", help="DeepSeek-V3's FP8 format: e4m3 projections, 128x128 block scales"
+    )
     args = ap.parse_args(argv)
     if args.num_layers < 1:
         ap.error("--num-layers must be >= 1")
@@ -52,7 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         swa = None if args.swa_layers is None else parse_swa_layers(args.swa_layers, args.num_layers)
     except ValueError as e:
         ap.error(str(e))
-    make_tiny_model(args.out_dir, args.seed, args.num_layers, args.sliding_window, swa, args.first_k_dense_replace)
+    make_tiny_model(
+        args.out_dir, args.seed, args.num_layers, args.sliding_window, swa, args.first_k_dense_replace, args.fp8
+    )
     print(f"wrote {args.out_dir}")
 
 

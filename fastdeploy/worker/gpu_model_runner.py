@@ -21,7 +21,7 @@ from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_re
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMetaBuilder
 from fastdeploy.model_executor.layers.sampler import SampleResult, sample
-from fastdeploy.model_executor.load_weight_utils import load_weights
+from fastdeploy.model_executor.load_weight_utils import load_weights, parameter_bytes
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import RECORD_BYTES
 from fastdeploy.request import Request
@@ -110,6 +110,14 @@ class GPUModelRunner:
         self.model = DeepseekV3ForCausalLM(mc, self.dtype, fd_config.kernel_config, self.tp)
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, mc.num_hidden_layers, self.tp.is_driver)
+        self.weight_bytes = parameter_bytes(self.model)
+        logger.info(
+            "weights on rank %d: %.1f MiB (%s; quantization %s)",
+            self.tp.rank,
+            sum(self.weight_bytes.values()) / 2**20,
+            ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(self.weight_bytes.items())),
+            mc.quantization,
+        )
         self.block_size = fd_config.cache_config.block_size
         self.meta_builder = ForwardMetaBuilder(
             self.block_size, self.model.attention_windows, fd_config.kernel_config, self.model.num_local_heads

@@ -1,26 +1,66 @@
 """Linear layers split for tensor parallelism (docs/design.md §4.9). Weights keep Hugging Face's
 [out, in] layout so checkpoints load without transposes; each weight records the slice of the
-checkpoint tensor this rank holds (``tp_shard`` = (dim, start, end, full size)) for the loader."""
+checkpoint tensor this rank holds (``tp_shard`` = (dim, start, end, full size)) for the loader.
+
+With ``fp8`` (an FP8 checkpoint kept FP8, docs/design.md §4.8) the weight is its e4m3 codes
+(uint8 [out, in]) and ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)], loaded as the
+checkpoint stores them; the forward is the W8A8 block GEMM (Triton) or its reference (CPU)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import paddle
 from paddle import nn
 
 from fastdeploy.distributed.parallel import TPGroup
+from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import (
+    FP8_BLOCK,
+    dequant_fp8_weight,
+    w8a8_block_linear,
+    w8a8_block_linear_ref,
+)
+
+
+@dataclass(frozen=True)
+class FP8Linear:
+    """Linear layers keep FP8 block weights; ``triton``: the GEMM runs as Triton kernels."""
+
+    triton: bool = False
 
 
 class LinearBase(nn.Layer):
-    """y = x @ W^T; W [out, in] (this rank's part)."""
+    """y = x @ W^T; W [out, in] (this rank's part), in ``dtype`` or FP8 codes with ``fp8``."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: str = "float32") -> None:
+    def __init__(
+        self, in_features: int, out_features: int, dtype: str = "float32", fp8: FP8Linear | None = None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = self.create_parameter([out_features, in_features], dtype=dtype)
+        self.fp8 = fp8
+        zero = nn.initializer.Constant(0)
+        if fp8 is None:
+            self.weight = self.create_parameter([out_features, in_features], dtype=dtype)
+        else:
+            self.weight = self.create_parameter([out_features, in_features], dtype="uint8", default_initializer=zero)
+            blocks = [-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK)]
+            self.weight_scale_inv = self.create_parameter(blocks, dtype="float32", default_initializer=zero)
+            self.weight.stop_gradient = self.weight_scale_inv.stop_gradient = True  # the kernels take them by DLPack
+            self.gemm = w8a8_block_linear if fp8.triton else w8a8_block_linear_ref
         self.weight.tp_shard = None
 
+    def dequantized_weight(self) -> paddle.Tensor:
+        """float32 [out, in]: the weight as the model computes with it."""
+        if self.fp8 is None:
+            return self.weight.astype("float32")
+        return dequant_fp8_weight(self.weight, self.weight_scale_inv)
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return paddle.matmul(x, self.weight, transpose_y=True)
+        if self.fp8 is None:
+            return paddle.matmul(x, self.weight, transpose_y=True)
+        return self.gemm(x.reshape([-1, self.in_features]), self.weight, self.weight_scale_inv).reshape(
+            list(x.shape[:-1]) + [self.out_features]
+        )
 
 
 class ReplicatedLinear(LinearBase):
@@ -31,9 +71,17 @@ class ColumnParallelLinear(LinearBase):
     """Split by output features: this rank computes outputs [start, end); ``what`` names the
     split for errors."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, what: str, dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup,
+        what: str,
+        dtype: str = "float32",
+        fp8: FP8Linear | None = None,
+    ) -> None:
         start, end = tp.shard(out_features, what)
-        super().__init__(in_features, end - start, dtype)
+        super().__init__(in_features, end - start, dtype, fp8)
         self.weight.tp_shard = (0, start, end, out_features)
 
 
@@ -42,10 +90,17 @@ class RowParallelLinear(LinearBase):
     (the caller then reduces once for several of them)."""
 
     def __init__(
-        self, in_features: int, out_features: int, tp: TPGroup, what: str, dtype: str = "float32", reduce: bool = True
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPGroup,
+        what: str,
+        dtype: str = "float32",
+        reduce: bool = True,
+        fp8: FP8Linear | None = None,
     ) -> None:
         start, end = tp.shard(in_features, what)
-        super().__init__(end - start, out_features, dtype)
+        super().__init__(end - start, out_features, dtype, fp8)
         self.weight.tp_shard = (1, start, end, in_features)
         self.tp, self.reduce = tp, reduce
 

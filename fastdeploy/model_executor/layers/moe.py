@@ -13,7 +13,7 @@ from paddle import nn
 
 from fastdeploy.config import ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
-from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, FP8Linear, RowParallelLinear
 
 
 class MLP(nn.Layer):
@@ -21,12 +21,19 @@ class MLP(nn.Layer):
     leaves the partial sums to the caller."""
 
     def __init__(
-        self, hidden: int, inter: int, tp: TPGroup, dtype: str, what: str = "intermediate_size", reduce: bool = True
+        self,
+        hidden: int,
+        inter: int,
+        tp: TPGroup,
+        dtype: str,
+        what: str = "intermediate_size",
+        reduce: bool = True,
+        fp8: FP8Linear | None = None,
     ) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, what, dtype=dtype)
-        self.up_proj = ColumnParallelLinear(hidden, inter, tp, what, dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, hidden, tp, what, dtype=dtype, reduce=reduce)
+        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, what, dtype=dtype, fp8=fp8)
+        self.up_proj = ColumnParallelLinear(hidden, inter, tp, what, dtype=dtype, fp8=fp8)
+        self.down_proj = RowParallelLinear(inter, hidden, tp, what, dtype=dtype, reduce=reduce, fp8=fp8)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -68,18 +75,21 @@ class MoEGate(nn.Layer):
 
 
 class DeepseekV3MoE(nn.Layer):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: str, fp8: FP8Linear | None = None) -> None:
         super().__init__()
         self.tp = tp
         self.gate = MoEGate(cfg, dtype)
         self.expert_range = tp.shard(cfg.n_routed_experts, "n_routed_experts")
         one = TPGroup()  # an expert is whole on the rank that holds it
         self.experts = nn.LayerDict(
-            {str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, one, dtype) for e in range(*self.expert_range)}
+            {
+                str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, one, dtype, fp8=fp8)
+                for e in range(*self.expert_range)
+            }
         )
         shared = cfg.moe_intermediate_size * (cfg.n_shared_experts or 0)
         self.shared_experts = (
-            MLP(cfg.hidden_size, shared, tp, dtype, "moe_intermediate_size * n_shared_experts", reduce=False)
+            MLP(cfg.hidden_size, shared, tp, dtype, "moe_intermediate_size * n_shared_experts", reduce=False, fp8=fp8)
             if shared
             else None
         )

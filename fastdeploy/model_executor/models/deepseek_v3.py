@@ -21,12 +21,22 @@ from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.dsa_attention_backend import DSAAttentionBackend
 from fastdeploy.model_executor.layers.attention.mla_attention_backend import MLAAttentionBackend
 from fastdeploy.model_executor.layers.embeddings import ParallelLMHead, VocabParallelEmbedding
-from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from fastdeploy.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    FP8Linear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from fastdeploy.model_executor.layers.moe import MLP, DeepseekV3MoE
 from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.rotary_embedding import DeepseekRotaryEmbedding, deepseek_softmax_scale
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def fp8_linears(cfg: ModelConfig, kernels: KernelConfig) -> FP8Linear | None:
+    """How the decoder layers' linear layers keep an FP8 checkpoint's weights (None: de-quantized)."""
+    return FP8Linear(triton=kernels.triton) if cfg.quantization == "fp8" else None
 
 
 class DeepseekV3MLAAttention(nn.Layer):
@@ -43,18 +53,17 @@ class DeepseekV3MLAAttention(nn.Layer):
                 "layout needs 512 and 64"
             )
         h, qk, nh = cfg.hidden_size, cfg.qk_head_dim, cfg.num_attention_heads
+        fp8, heads = fp8_linears(cfg, kernels), "num_attention_heads"
         if cfg.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, dtype)
+            self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, dtype, fp8)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, nh * qk, tp, "num_attention_heads", dtype)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, nh * qk, tp, heads, dtype, fp8)
         else:
-            self.q_proj = ColumnParallelLinear(h, nh * qk, tp, "num_attention_heads", dtype)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, dtype)
+            self.q_proj = ColumnParallelLinear(h, nh * qk, tp, heads, dtype, fp8)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, dtype, fp8)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, dtype)
-        self.kv_b_proj = ColumnParallelLinear(
-            self.kv_lora_rank, nh * (self.nope + self.v_dim), tp, "num_attention_heads", dtype
-        )
-        self.o_proj = RowParallelLinear(nh * self.v_dim, h, tp, "num_attention_heads", dtype)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, nh * (self.nope + self.v_dim), tp, heads, dtype, fp8)
+        self.o_proj = RowParallelLinear(nh * self.v_dim, h, tp, heads, dtype, fp8=fp8)
         self.w_uk = self.w_uv = None  # from kv_b_proj, by process_weights_after_loading
 
         self.is_swa = cfg.is_swa_layer(layer_id)
@@ -70,7 +79,7 @@ class DeepseekV3MLAAttention(nn.Layer):
         """Split kv_b_proj into W_UK [H, nope, 512] and W_UV [H, v, 512], float32, once: the loader
         calls this after the weights land (call it again after changing kv_b_proj by hand), so a
         forward does not re-cast the whole projection. Costs 4 * H * (nope + v) * 512 bytes a layer."""
-        w = self.kv_b_proj.weight.astype("float32").reshape([self.num_heads, self.nope + self.v_dim, self.kv_lora_rank])
+        w = self.kv_b_proj.dequantized_weight().reshape([self.num_heads, self.nope + self.v_dim, self.kv_lora_rank])
         self.w_uk, self.w_uv = w[:, : self.nope].clone(), w[:, self.nope :].clone()  # contiguous copies
 
     def forward(self, hidden: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
@@ -102,7 +111,11 @@ class DeepseekV3DecoderLayer(nn.Layer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = DeepseekV3MLAAttention(cfg, layer_id, dtype, kernels, tp)
         moe = cfg.n_routed_experts and layer_id >= cfg.first_k_dense_replace and layer_id % cfg.moe_layer_freq == 0
-        self.mlp = DeepseekV3MoE(cfg, tp, dtype) if moe else MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype)
+        fp8 = fp8_linears(cfg, kernels)
+        if moe:
+            self.mlp = DeepseekV3MoE(cfg, tp, dtype, fp8)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype, fp8=fp8)
 
     def forward(self, x: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cache, meta)

@@ -10,12 +10,38 @@ import math
 
 import numpy as np
 
-from fastdeploy.model_executor.safetensors_io import SafeTensorsFile
+from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, SafeTensorsFile
 
 
 def load_np(model_dir: str) -> dict[str, np.ndarray]:
+    """float64 weights; FP8 codes times their 128 x 128 block scales."""
     f = SafeTensorsFile(f"{model_dir}/model.safetensors")
-    return {k: f.get(k).astype(np.float64) for k in f.keys()}
+    out = {}
+    for k in f.keys():
+        if k.endswith("_scale_inv"):
+            continue
+        x = f.get(k)
+        if f.dtype(k) == "F8_E4M3":
+            r, c = x.shape
+            s = np.repeat(np.repeat(f.get(k + "_scale_inv").astype(np.float64), 128, 0), 128, 1)[:r, :c]
+            x = E4M3_TO_F32[x].astype(np.float64) * s
+        out[k] = x.astype(np.float64)
+    return out
+
+
+def proj(x: np.ndarray, w: dict, name: str, act_fp8: bool) -> np.ndarray:
+    """x @ W^T; with ``act_fp8`` x first goes through DeepSeek-V3's activation quantization:
+    per row per 128 columns, scale amax / 448 (float32) and the nearest e4m3 value."""
+    if act_fp8:
+        rows, cols = x.shape
+        pad = np.zeros((rows, -(-cols // 128) * 128))
+        pad[:, :cols] = x
+        xb = pad.reshape(rows, -1, 128)
+        s = (np.maximum(np.abs(xb).max(-1, keepdims=True), 1e-12).astype(np.float32) / np.float32(448)).astype(
+            np.float64
+        )
+        x = (e4m3_round(xb / s) * s).reshape(rows, -1)[:, :cols]
+    return x @ w[name].T
 
 
 def rms(x, w, eps):
@@ -61,7 +87,7 @@ def rotate_pairs(x, ang, mult):
     return out
 
 
-def moe(x, w, p, cfg):
+def moe(x, w, p, cfg, act_fp8=False):
     logits = x @ w[p + "gate.weight"].T
     scores = 1 / (1 + np.exp(-logits))
     choice = scores + w[p + "gate.e_score_correction_bias"]
@@ -82,19 +108,30 @@ def moe(x, w, p, cfg):
             wt = wt / (wt.sum() + 1e-20)
         wt = wt * cfg["routed_scaling_factor"]
         for e, we in zip(ids, wt, strict=True):
-            out[t] += we * mlp(x[t : t + 1], w, f"{p}experts.{e}.")[0]
+            out[t] += we * mlp(x[t : t + 1], w, f"{p}experts.{e}.", act_fp8)[0]
     if cfg.get("n_shared_experts"):
-        out += mlp(x, w, p + "shared_experts.")
+        out += mlp(x, w, p + "shared_experts.", act_fp8)
     return out
 
 
-def mlp(x, w, p):
-    return (silu(x @ w[p + "gate_proj.weight"].T) * (x @ w[p + "up_proj.weight"].T)) @ w[p + "down_proj.weight"].T
+def mlp(x, w, p, act_fp8=False):
+    gate, up = proj(x, w, p + "gate_proj.weight", act_fp8), proj(x, w, p + "up_proj.weight", act_fp8)
+    return proj(silu(gate) * up, w, p + "down_proj.weight", act_fp8)
 
 
 _E4M3_GRID = np.array(
     [(f / 8.0) * 2.0**-6 for f in range(8)] + [(1 + f / 8.0) * 2.0 ** (e - 7) for e in range(1, 16) for f in range(8)]
 )[:127]  # the 127 non-negative finite e4m3fn values, ascending
+
+
+def e4m3_round(y: np.ndarray) -> np.ndarray:
+    """The nearest e4m3fn value to y (|y| <= 448), ties to the even code."""
+    a = np.abs(y)
+    hi = np.clip(np.searchsorted(_E4M3_GRID, a), 0, 126)
+    lo = np.clip(hi - 1, 0, 126)
+    d_lo, d_hi = a - _E4M3_GRID[lo], _E4M3_GRID[hi] - a
+    pick = np.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
+    return np.sign(y) * _E4M3_GRID[pick]
 
 
 def fp8_record_roundtrip(kv_c: np.ndarray, k_pe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -104,12 +141,7 @@ def fp8_record_roundtrip(kv_c: np.ndarray, k_pe: np.ndarray) -> tuple[np.ndarray
     amax = np.abs(x).max(-1, keepdims=True).astype(np.float32)
     s = amax / np.float32(448)
     scale = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.where(s > 0, s, 1))), 1.0)
-    y = np.abs(x) / scale
-    hi = np.clip(np.searchsorted(_E4M3_GRID, y), 0, 126)
-    lo = np.clip(hi - 1, 0, 126)
-    d_lo, d_hi = y - _E4M3_GRID[lo], _E4M3_GRID[hi] - y
-    pick = np.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
-    q = np.sign(x) * _E4M3_GRID[pick] * scale
+    q = e4m3_round(x / scale) * scale
     return q.reshape(kv_c.shape), bf16_round(k_pe)
 
 
@@ -126,10 +158,13 @@ def forward(
     windows: list[int | None] | None = None,
     fp8_kv: bool = False,
     kv_formats: list[str | None] | None = None,
+    act_fp8: bool = False,
 ) -> np.ndarray:
     """Logits float64 [T, vocab] for one sequence; windows[l] = W of layer l (None: full).
     ``fp8_kv``: windowed layers see their kv_c / k_pe as the FP8 record stores them.
-    ``kv_formats[l]`` ("fp8", "bf16" or None) says how layer l's cache stores them, for any layer."""
+    ``kv_formats[l]`` ("fp8", "bf16" or None) says how layer l's cache stores them, for any layer.
+    ``act_fp8``: the inputs of the projections a model with FP8 weights runs as W8A8 GEMMs are
+    quantized first (all but kv_b_proj, whose W_UK / W_UV the attention applies in float)."""
     T = len(ids)
     H, nope, rope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     eps = cfg["rms_norm_eps"]
@@ -146,11 +181,12 @@ def forward(
         a = p + "self_attn."
         h = rms(x, w[p + "input_layernorm.weight"], eps)
         if cfg.get("q_lora_rank"):
-            q = rms(h @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], eps) @ w[a + "q_b_proj.weight"].T
+            q = rms(proj(h, w, a + "q_a_proj.weight", act_fp8), w[a + "q_a_layernorm.weight"], eps)
+            q = proj(q, w, a + "q_b_proj.weight", act_fp8)
         else:
-            q = h @ w[a + "q_proj.weight"].T
+            q = proj(h, w, a + "q_proj.weight", act_fp8)
         q = q.reshape(T, H, nope + rope)
-        kv_a = h @ w[a + "kv_a_proj_with_mqa.weight"].T
+        kv_a = proj(h, w, a + "kv_a_proj_with_mqa.weight", act_fp8)
         kv_c = rms(kv_a[:, :512], w[a + "kv_a_layernorm.weight"], eps)
         k_pe = rotate_pairs(kv_a[:, 512:], ang, mult)
         q_pe = rotate_pairs(q[:, :, nope:], ang, mult)
@@ -169,10 +205,10 @@ def forward(
         pr = np.exp(s - s.max(-1, keepdims=True))
         pr /= pr.sum(-1, keepdims=True)
         o = np.einsum("hts,shv->thv", pr, kv[:, :, nope:]).reshape(T, H * v)
-        x = x + o @ w[a + "o_proj.weight"].T
+        x = x + proj(o, w, a + "o_proj.weight", act_fp8)
         h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
         if cfg.get("n_routed_experts") and layer >= cfg["first_k_dense_replace"]:
-            x = x + moe(h, w, p + "mlp.", cfg)
+            x = x + moe(h, w, p + "mlp.", cfg, act_fp8)
         else:
-            x = x + mlp(h, w, p + "mlp.")
+            x = x + mlp(h, w, p + "mlp.", act_fp8)
     return rms(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
