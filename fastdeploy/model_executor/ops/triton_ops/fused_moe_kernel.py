@@ -1,0 +1,192 @@
+"""Fused MoE (docs/design.md §4.8) as Triton kernels, paddle-free: one grouped-GEMM launch over all
+experts for gate / up with SiLU-and-mul, one for down with the routing weight applied.
+
+The routed (token, k) entries, N = T x top_k of them, are sorted by expert once, each expert's run
+padded to BLOCK_M (``sorted_ids``: entry ids, N for padding; ``block_expert``: the expert of each
+BLOCK_M block, -1 past the end), so a program multiplies BLOCK_M rows that share one expert's
+weights. ``_moe_gemm_kernel`` serves both GEMMs:
+- GATED (gate / up): rows are the entries' tokens of x [T, K_dim]; out[entry] =
+  silu(x W1^T) * (x W3^T) [N, I];
+- not GATED (down): rows are the entries of the intermediate [N, I]; out[entry] =
+  weight[entry] * (h W2^T) [N, H], summed over k by the caller.
+Weights are bf16 [E, n, k] or, with FP8, e4m3 codes with float32 block scales [E, ceil(n/128),
+ceil(k/128)] against activations quantized per row per 128 columns (codes and scales from the
+W8A8 GEMM's ``_act_quant_kernel``), both scales applied per 128-wide K block.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode, launch, stride
+
+
+@triton.jit
+def _tile_dot(
+    acc,
+    a_ptr,
+    w_ptr,
+    a_s_ptr,
+    w_s_ptr,
+    r_ok,
+    c_ok,
+    k0,
+    Kdim,
+    FP8: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_LOW: tl.constexpr,
+):
+    """acc + A[:, k0:k0+BLOCK_K] . W[:, k0:k0+BLOCK_K]^T (FP8: scaled by the row's and the weight
+    block's scales); a_ptr / w_ptr point at column 0 of each row."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    k_ok = kk < Kdim
+    a = tl.load(a_ptr[:, None] + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0)
+    w = tl.load(w_ptr[:, None] + kk[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0)
+    if FP8:
+        a = a.to(tl.float8e4nv, bitcast=True)
+        w = w.to(tl.float8e4nv, bitcast=True)
+        if not DOT_LOW:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        part = tl.dot(a, tl.trans(w))
+        a_s = tl.load(a_s_ptr + k0 // 128, mask=r_ok, other=0.0)
+        w_s = tl.load(w_s_ptr + k0 // 128)
+        acc += part * (a_s * w_s)[:, None]
+    else:
+        if DOT_LOW:
+            a = a.to(tl.bfloat16)
+            w = w.to(tl.bfloat16)
+        else:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    A,
+    AS,
+    W1,
+    W3,
+    WS1,
+    WS3,
+    Out,
+    TopW,
+    SortedIds,
+    BlockExpert,
+    N,
+    top_k,
+    Kdim,
+    Ndim,
+    sa,
+    sas,
+    sw_e,
+    sw_n,
+    sws_e,
+    sws_n,
+    so,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_LOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    nt = tl.program_id(1)
+    e = tl.load(BlockExpert + b)
+    if e < 0:
+        return
+    rows = tl.load(SortedIds + b * BLOCK_M + tl.arange(0, BLOCK_M))  # routed entries; N = padding
+    r_ok = rows < N
+    src = tl.where(r_ok, rows // top_k if GATED else rows, 0).to(tl.int64)  # the row of A
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < Ndim
+    e64 = e.to(tl.int64)
+    a_ptr = A + src * sa
+    a_s_ptr = AS + src * sas
+    w1_ptr = W1 + e64 * sw_e + cols.to(tl.int64) * sw_n
+    w3_ptr = W3 + e64 * sw_e + cols.to(tl.int64) * sw_n
+    ws_row = e64 * sws_e + (nt * BLOCK_N // 128) * sws_n  # BLOCK_N divides 128 with FP8
+    acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, Kdim, BLOCK_K):
+        acc1 = _tile_dot(acc1, a_ptr, w1_ptr, a_s_ptr, WS1 + ws_row, r_ok, c_ok, k0, Kdim, FP8, BLOCK_K, DOT_LOW)
+        if GATED:
+            acc3 = _tile_dot(acc3, a_ptr, w3_ptr, a_s_ptr, WS3 + ws_row, r_ok, c_ok, k0, Kdim, FP8, BLOCK_K, DOT_LOW)
+    if GATED:
+        y = acc1 / (1.0 + tl.exp(-acc1)) * acc3  # silu(gate) * up
+    else:
+        y = acc1 * tl.load(TopW + rows, mask=r_ok, other=0.0)[:, None]
+    dst = Out + rows.to(tl.int64)[:, None] * so + cols[None, :]
+    tl.store(dst, y.to(Out.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+def block_m_for(num_entries: int, num_experts: int) -> int:
+    """Rows a program takes: about the mean entries an expert gets, 16 .. 64."""
+    mean = num_entries / max(num_experts, 1)
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+def launch_moe_gemm(
+    a,
+    w1,
+    out,
+    sorted_ids,
+    block_expert,
+    num_entries: int,
+    top_k: int,
+    block_m: int,
+    *,
+    a_s=None,
+    ws1=None,
+    w3=None,
+    ws3=None,
+    top_w=None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> None:
+    """One grouped GEMM (see the module docstring); gated when ``w3`` is given. a [rows, K]: bf16 /
+    float32, or uint8 codes with a_s float32 [rows, ceil(K/128)]; w1 / w3 [E, n, K]: bf16, or uint8
+    codes with ws1 / ws3 float32 [E, ceil(n/128), ceil(K/128)]; out [N, n]; top_w float32 [N]
+    (down only)."""
+    fp8 = a_s is not None
+    gated = w3 is not None
+    Kdim, Ndim = int(a.shape[1]), int(w1.shape[1])
+    unused = a  # pointer arguments a variant never reads
+    launch(
+        _moe_gemm_kernel,
+        (int(block_expert.shape[0]), triton.cdiv(Ndim, block_n)),
+        a,
+        a_s if fp8 else unused,
+        w1,
+        w3 if gated else w1,
+        ws1 if fp8 else unused,
+        (ws3 if gated else ws1) if fp8 else unused,
+        out,
+        top_w if top_w is not None else unused,
+        sorted_ids,
+        block_expert,
+        num_entries,
+        top_k,
+        Kdim,
+        Ndim,
+        stride(a, 0),
+        stride(a_s, 0) if fp8 else 0,
+        stride(w1, 0),
+        stride(w1, 1),
+        stride(ws1, 0) if fp8 else 0,
+        stride(ws1, 1) if fp8 else 0,
+        stride(out, 0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=128 if fp8 else 64,
+        GATED=gated,
+        FP8=fp8,
+        DOT_LOW=not interpret_mode(),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

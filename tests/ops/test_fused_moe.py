@@ -1,0 +1,130 @@
+"""Fused MoE: the Triton kernels (interpreter) and the paddle reference against a float64 numpy
+MoE of the same math (bf16 / float32 and FP8 block weights), with empty experts, one expert
+taking every token, other ranks' experts, T = 1 and shapes that are not tile multiples."""
+
+import numpy as np
+import paddle
+import pytest
+from test_fp8_gemm import e4m3_round
+
+from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref, moe_align
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import launch_moe_gemm
+from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32
+from fastdeploy.model_executor.tiny_checkpoint import quantize_fp8_block
+
+
+def act_q(x):
+    """Per row per 128 columns: scale amax / 448 (float32), nearest e4m3 (float64 out)."""
+    out = np.zeros_like(x, dtype=np.float64)
+    for c in range(0, x.shape[1], 128):
+        blk = x[:, c : c + 128].astype(np.float64)
+        s = (np.maximum(np.abs(blk).max(1, keepdims=True), 1e-12).astype(np.float32) / np.float32(448)).astype(
+            np.float64
+        )
+        out[:, c : c + 128] = e4m3_round(np.clip(blk / s, -448, 448)) * s
+    return out
+
+
+def numpy_moe(x, ids, wts, w1, w3, w2, fp8):
+    T, H = x.shape
+    y = np.zeros((T, H))
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    for t in range(T):
+        xt = act_q(x[t : t + 1]) if fp8 else x[t : t + 1].astype(np.float64)
+        for e, wt in zip(ids[t], wts[t], strict=True):
+            if not 0 <= e < w1.shape[0]:
+                continue  # another rank's expert
+            h = silu(xt @ w1[e].T) * (xt @ w3[e].T)
+            h = act_q(h.astype(np.float32)) if fp8 else h
+            y[t] += wt * (h @ w2[e].T)[0]
+    return y
+
+
+def make(rng, T, H, inter, E, top_k, fp8, route="random"):
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.stack([rng.permutation(E + 2)[:top_k] for _ in range(T)]) - 1  # -1 and E: other ranks
+    if route == "one":
+        ids[:, 0] = 3  # expert 3 gets every token
+        ids[:, 1:] = np.where(ids[:, 1:] == 3, -1, ids[:, 1:])
+    if route == "sparse":
+        ids[ids >= 2] = -1  # experts 2.. get nothing
+    wts = rng.uniform(0.1, 1, (T, top_k)).astype(np.float32)
+    ws = [
+        rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-1])
+        for s in ((E, inter, H), (E, inter, H), (E, H, inter))
+    ]
+    if not fp8:
+        return x, ids, wts, ws, ws, None
+    codes, scales, deq = [], [], []
+    for w in ws:
+        cs = [quantize_fp8_block(w[e]) for e in range(E)]
+        codes.append(np.stack([c for c, _ in cs]))
+        scales.append(np.stack([s for _, s in cs]))
+        deq.append(
+            np.stack(
+                [
+                    E4M3_TO_F32[c].astype(np.float64) * np.kron(s, np.ones((128, 128)))[: c.shape[0], : c.shape[1]]
+                    for c, s in cs
+                ]
+            )
+        )
+    return x, ids, wts, codes, deq, scales
+
+
+@pytest.mark.parametrize("impl", [fused_moe, fused_moe_ref], ids=["triton", "ref"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize(
+    "T, H, inter, E, top_k, route",
+    [
+        (1, 128, 64, 8, 4, "random"),
+        (37, 192, 96, 8, 3, "random"),
+        (20, 128, 64, 6, 2, "one"),
+        (9, 256, 128, 5, 4, "sparse"),
+    ],
+)
+def test_matches_float64(impl, fp8, T, H, inter, E, top_k, route, rng):
+    x, ids, wts, ws, deq, scales = make(rng, T, H, inter, E, top_k, fp8, route)
+    t = paddle.to_tensor
+    args = [t(x), t(ids.astype(np.int64)), t(wts)] + [t(w) for w in ws] + ([t(s) for s in scales] if fp8 else [])
+    got = impl(*args).numpy()
+    want = numpy_moe(x, ids, wts, *deq, fp8)
+    assert got.shape == (T, H) and np.isfinite(got).all()
+    err = np.linalg.norm(got - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
+    # float32 accumulation; with FP8 an intermediate near an e4m3 rounding boundary may land on
+    # the other side in float32 than in float64 and move its row by ~1e-2
+    assert np.median(err) < 1e-5 and err.max() < (3e-2 if fp8 else 1e-5), err
+
+
+def test_align_sorts_and_pads_by_expert(rng):
+    ids = np.array([[2, 0], [2, 5], [1, 2], [-1, 2]])  # expert 3, 4 empty; -1 and 5 not on this rank (E = 5)
+    sorted_ids, block_expert = (a.numpy() for a in moe_align(paddle.to_tensor(ids), 5, 4))
+    N = ids.size
+    blocks = sorted_ids.reshape(-1, 4)
+    got = {}
+    for b, e in enumerate(block_expert):
+        if e < 0:
+            assert (blocks[b] == N).all()
+            continue
+        got.setdefault(int(e), []).extend(int(r) for r in blocks[b] if r < N)
+    assert got == {0: [1], 1: [4], 2: [0, 2, 5, 7]}  # each expert's entries, in entry order
+    assert (block_expert[: len(got)] >= 0).all() and (block_expert[len(got) :] == -1).all()
+
+
+def test_gated_gemm_writes_only_routed_rows(rng):
+    """The first grouped GEMM into a NaN-filled output: routed entries get silu(x W1) * (x W3),
+    every other row stays NaN."""
+    x, ids, _, ws, _, _ = make(rng, 6, 128, 64, 4, 2, False)
+    ids[2] = -1  # token 2 routed nowhere here
+    sorted_ids, block_expert = moe_align(paddle.to_tensor(ids), 4, 16)
+    out = paddle.full([12, 64], float("nan"), "float32")
+    w1, w3 = paddle.to_tensor(ws[0]), paddle.to_tensor(ws[1])
+    launch_moe_gemm(paddle.to_tensor(x), w1, out, sorted_ids, block_expert, 12, 2, 16, w3=w3)
+    got = out.numpy()
+    for entry in range(12):
+        t, e = divmod(entry, 2)
+        e = ids[t, e]
+        if e < 0:
+            assert np.isnan(got[entry]).all()
+            continue
+        g, u = x[t] @ ws[0][e].T.astype(np.float64), x[t] @ ws[1][e].T.astype(np.float64)
+        np.testing.assert_allclose(got[entry], g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
