@@ -67,10 +67,28 @@ def fp8_block_scales(scale_inv: SafeTensorsFile, s: str, shard: tuple | None, ra
     return scale_inv.get(s, dim, start // FP8_BLOCK, -(-end // FP8_BLOCK))
 
 
-def load_fp8_kept(
-    params: dict, k: str, codes: np.ndarray, dtype: str, sources: dict, shard: tuple | None, rank: int
-) -> None:
-    """Copy FP8 codes into parameter ``k`` and their block scales into ``k + "_scale_inv"``."""
+class _Target:
+    """Where one checkpoint tensor goes: parameter ``name`` (``param``), whole or slice ``index``
+    of a stacked parameter (routed experts)."""
+
+    def __init__(self, params: dict, name: str, index: int | None) -> None:
+        self.name, self.index, self.param = name, index, params[name]
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.param.shape[1:] if self.index is not None else self.param.shape)
+
+    def set(self, value: np.ndarray) -> None:
+        t = paddle.to_tensor(value).astype(self.param.dtype)
+        if self.index is None:
+            self.param.set_value(t)
+        else:
+            with paddle.no_grad():
+                self.param[self.index] = t
+
+
+def load_fp8_kept(target: _Target, scale: _Target, k: str, codes: np.ndarray, dtype: str, sources: dict, shard, rank):
+    """Copy FP8 codes into ``target`` and their block scales into ``scale``."""
     s = k + "_scale_inv"
     if dtype != "F8_E4M3" or s not in sources:
         raise CheckpointError(
@@ -78,17 +96,18 @@ def load_fp8_kept(
             "(--quantization fp8) and needs F8_E4M3 codes with their _scale_inv"
         )
     scales = fp8_block_scales(sources[s], s, shard, rank)
-    if list(scales.shape) != list(params[s].shape):
-        raise CheckpointError(f"tensor {s} has shape {list(scales.shape)}, the model expects {list(params[s].shape)}")
-    params[k].set_value(paddle.to_tensor(np.ascontiguousarray(codes, np.uint8)))
-    params[s].set_value(paddle.to_tensor(np.ascontiguousarray(scales, np.float32)))
+    if list(scales.shape) != scale.shape:
+        raise CheckpointError(f"tensor {s} has shape {list(scales.shape)}, the model expects {scale.shape}")
+    target.set(np.ascontiguousarray(codes, np.uint8))
+    scale.set(np.ascontiguousarray(scales, np.float32))
 
 
 def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int, show_progress: bool = True) -> int:
-    """Copy every checkpoint tensor (this rank's slice of it) into the parameter of the same name;
-    errors name the tensor (and the rank). Returns the bytes read from the checkpoint."""
+    """Copy every checkpoint tensor (this rank's slice of it) into its parameter (of the same name,
+    or a slice of a stacked one: ``model.checkpoint_target``); errors name the tensor (and the
+    rank). Returns the bytes read from the checkpoint."""
     params = dict(model.named_parameters())
-    owns = getattr(model, "owns_checkpoint_tensor", lambda name: True)
+    where = getattr(model, "checkpoint_target", lambda name: (name, None))
     rank = getattr(getattr(model, "tp", None), "rank", 0)
     sources: dict[str, SafeTensorsFile] = {}
     for path in checkpoint_files(model_dir):
@@ -96,38 +115,53 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
         for k in f.keys():
             sources[k] = f
     mtp = re.compile(r"model\.layers\.(\d+)\.")
-    names = []
+    targets: dict[str, _Target] = {}
+    filled: dict[str, int] = {}  # parameter -> tensors loaded into it
+    stacked: set[str] = set()
     for k in sources:
         m = mtp.match(k)
-        if k.endswith("_scale_inv") or (m and int(m.group(1)) >= num_hidden_layers) or not owns(k):
+        if k.endswith("_scale_inv") or (m and int(m.group(1)) >= num_hidden_layers):
             continue
-        if k not in params:
+        t = where(k)
+        if t is None:  # another rank's expert
+            continue
+        if t[0] not in params:
             raise CheckpointError(f"unexpected tensor {k} in the checkpoint (no such parameter in the model)")
-        names.append(k)
+        targets[k] = _Target(params, *t)
+        filled[t[0]] = filled.get(t[0], 0) + 1
+        if t[1] is not None:
+            stacked.add(t[0])
     kept_scales = {k for k in params if k.endswith("_scale_inv")}  # loaded with their FP8 weight
-    missing = sorted(set(params) - set(names) - kept_scales)
-    if missing:
-        raise CheckpointError(f"tensor {missing[0]} is missing from the checkpoint ({len(missing)} missing)")
-    for k in tqdm(sorted(names), desc="loading weights", unit="tensor", disable=not show_progress):
-        f = sources[k]
-        p = params[k]
-        shard = getattr(p, "tp_shard", None)  # (dim, start, end, full size of dim)
-        expected = list(p.shape)
+    missing = sorted(set(params) - set(filled) - kept_scales)
+    partial = sorted(n for n in stacked if filled[n] != params[n].shape[0])
+    if missing or partial:
+        first = (
+            missing[0]
+            if missing
+            else f"{partial[0]} (only {filled[partial[0]]} of its {params[partial[0]].shape[0]} experts)"
+        )
+        raise CheckpointError(f"tensor {first} is missing from the checkpoint ({len(missing) + len(partial)} missing)")
+    for k in tqdm(sorted(targets), desc="loading weights", unit="tensor", disable=not show_progress):
+        f, t = sources[k], targets[k]
+        shard = getattr(t.param, "tp_shard", None) if t.index is None else None  # (dim, start, end, full size)
+        expected = t.shape
         if shard is not None:
             expected[shard[0]] = shard[3]
         if list(f.shape(k)) != expected:
-            where = f" (tensor-parallel rank {rank})" if shard is not None and shard[3] != shard[2] - shard[1] else ""
-            raise CheckpointError(f"tensor {k} has shape {list(f.shape(k))}, the model expects {expected}{where}")
+            rk = f" (tensor-parallel rank {rank})" if shard is not None and shard[3] != shard[2] - shard[1] else ""
+            raise CheckpointError(f"tensor {k} has shape {list(f.shape(k))}, the model expects {expected}{rk}")
         x = f.get(k) if shard is None else f.get(k, *shard[:3])
-        if p.dtype == paddle.uint8:  # kept FP8: codes and scales as the checkpoint stores them
-            load_fp8_kept(params, k, x, f.dtype(k), sources, shard, rank)
+        if t.param.dtype == paddle.uint8:  # kept FP8: codes and scales as the checkpoint stores them
+            s_name, s_index = where(k + "_scale_inv")
+            scale = _Target(params, s_name, s_index)
+            load_fp8_kept(t, scale, k, x, f.dtype(k), sources, shard, rank)
             continue
         if f.dtype(k) == "F8_E4M3":
             s = k + "_scale_inv"
             if s not in sources:
                 raise CheckpointError(f"FP8 tensor {k} has no {s}")
             x = dequant_fp8_block(x, fp8_block_scales(sources[s], s, shard, rank), k)
-        p.set_value(paddle.to_tensor(x.astype(np.float32)).astype(p.dtype))
+        t.set(x.astype(np.float32))
     for layer in model.sublayers(include_self=True):  # weights derived from the loaded ones
         hook = getattr(layer, "process_weights_after_loading", None)
         if callable(hook):

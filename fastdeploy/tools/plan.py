@@ -6,15 +6,16 @@ tokens of KV that fit.
         [--max-num-seqs 64] [--max-num-batched-tokens 2048]
 
 The shapes come from the model itself, built for rank 0 without memory (paddle.LazyGuard), so
-the figures follow the same sharding as the runner. Weights are given as the runner holds them
-(the model dtype; FP8 checkpoints are de-quantized at load today) and, for an FP8 checkpoint, as
-stored (e4m3 projections plus one float32 scale per 128 x 128 block). The KV pools are sized as the
+the figures follow the same sharding as the runner. Weights are given de-quantized to the model
+dtype (``--quantization none``) and, for an FP8 checkpoint, as the runner keeps them with
+``--quantization fp8`` (e4m3 projections and experts plus one float32 scale per 128 x 128 block). The KV pools are sized as the
 runner sizes them (``plan_kv_blocks``) from the memory left after the weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -22,28 +23,24 @@ import paddle
 
 from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from fastdeploy.distributed.parallel import TPGroup
-from fastdeploy.model_executor.load_weight_utils import FP8_BLOCK
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, plan_kv_blocks
 
 
-def _itemsize(dtype: str) -> int:
-    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+def held_bytes(fd: FDConfig, dtype: str, tp_size: int, quantization: str) -> int:
+    """Rank 0's parameter bytes with the weights kept as ``quantization`` says ("fp8": e4m3 codes
+    plus float32 block scales), built from the model code without memory."""
+    cfg = dataclasses.replace(fd.model_config, quantization=quantization)
+    with paddle.LazyGuard():
+        model = DeepseekV3ForCausalLM(cfg, dtype, KernelConfig(), TPGroup(rank=0, world_size=tp_size))
+    size = {paddle.float32: 4, paddle.uint8: 1}
+    return sum(math.prod(p.shape) * size.get(p.dtype, 2) for p in model.parameters())
 
 
 def weight_bytes(fd: FDConfig, dtype: str, tp_size: int, fp8_checkpoint: bool) -> dict[str, int]:
-    """Rank 0's parameter bytes: as held in ``dtype`` and, for an FP8 checkpoint, as stored."""
-    with paddle.LazyGuard():
-        model = DeepseekV3ForCausalLM(fd.model_config, dtype, KernelConfig(), TPGroup(rank=0, world_size=tp_size))
-    held = stored = 0
-    for name, p in model.named_parameters():
-        n = math.prod(p.shape)
-        held += n * (4 if p.dtype == paddle.float32 else _itemsize(dtype))
-        if fp8_checkpoint and name.endswith("_proj.weight"):  # DeepSeek-V3's FP8 tensors: every projection
-            stored += n + 4 * math.ceil(p.shape[0] / FP8_BLOCK) * math.ceil(p.shape[1] / FP8_BLOCK)
-        else:
-            stored += n * (4 if p.dtype == paddle.float32 else 2)
-    return {"held": held, "stored": stored}
+    """Rank 0's parameter bytes: de-quantized to ``dtype`` and, for an FP8 checkpoint, kept FP8."""
+    held = held_bytes(fd, dtype, tp_size, "none")
+    return {"held": held, "stored": held_bytes(fd, dtype, tp_size, "fp8") if fp8_checkpoint else held}
 
 
 def plan(fd: FDConfig, dtype: str, memory_bytes: float, fp8_checkpoint: bool = False) -> dict:
@@ -103,9 +100,9 @@ def main(argv: list[str] | None = None) -> None:
         f"tensor_parallel_size {res['tensor_parallel_size']}, per rank, {a.gpu_memory_gib:g} GiB x "
         f"{a.gpu_memory_utilization:g}:"
     )
-    print(f"  weights as held ({a.dtype}): {gb(res['weights_held_bytes'])}")
+    print(f"  weights de-quantized ({a.dtype}): {gb(res['weights_held_bytes'])}")
     if fp8:
-        print(f"  weights as stored (FP8 e4m3 + block scales): {gb(res['weights_fp8_bytes'])}")
+        print(f"  weights kept FP8 (--quantization fp8: e4m3 + block scales): {gb(res['weights_fp8_bytes'])}")
     print("  KV bytes per token: " + ", ".join(f"{g} {b}" for g, b in res["kv_bytes_per_token"].items()))
     for key, label in (("held", f"{a.dtype} weights"), ("fp8", "FP8 weights")):
         if f"kv_budget_bytes_{key}" not in res:

@@ -39,4 +39,4 @@ def test_planner_matches_the_runner(tiny_model_dir, capsys):
     json.dump(cfg, open(path, "w"))
     planner.main(["--config", path, "--tensor-parallel-size", "2", "--gpu-memory-gib", "1", "--dtype", "float32"])
     out = capsys.readouterr().out
-    assert "weights as held (float32)" in out and "FP8 e4m3" in out and "tokens of KV per pool: full" in out
+    assert "weights de-quantized (float32)" in out and "kept FP8" in out and "tokens of KV per pool: full" in out

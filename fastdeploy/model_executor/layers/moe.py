@@ -1,6 +1,11 @@
 """The dense MLP and DeepSeek-V3's MoE block (sigmoid scoring, bias-corrected group-limited
 top-k, normalised and scaled routing weights, shared experts).
 
+The routed experts' weights are stacked per projection (w1 gate, w3 up [E, I, H]; w2 down
+[E, H, I]; with FP8 weights e4m3 codes plus ``*_scale_inv`` block scales) and run as one fused
+MoE (``ops/triton_ops/fused_moe.py``: Triton kernels on GPU, the per-expert reference on CPU).
+The checkpoint's per-expert tensors load into their slice (``checkpoint_target``).
+
 Tensor parallel (docs/design.md §4.9): a dense MLP splits its intermediate features; the MoE
 block gives each rank n_routed_experts / N whole experts, which it runs for all tokens, splits the
 shared experts like a dense MLP, and all-reduces routed and shared parts once."""
@@ -14,6 +19,8 @@ from paddle import nn
 from fastdeploy.config import ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, FP8Linear, RowParallelLinear
+from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import FP8_BLOCK
+from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref
 
 
 class MLP(nn.Layer):
@@ -74,19 +81,31 @@ class MoEGate(nn.Layer):
         return ids, w * c.routed_scaling_factor
 
 
+STACKED = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
 class DeepseekV3MoE(nn.Layer):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: str, fp8: FP8Linear | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: str, fp8: FP8Linear | None = None, triton: bool = False
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.gate = MoEGate(cfg, dtype)
         self.expert_range = tp.shard(cfg.n_routed_experts, "n_routed_experts")
-        one = TPGroup()  # an expert is whole on the rank that holds it
-        self.experts = nn.LayerDict(
-            {
-                str(e): MLP(cfg.hidden_size, cfg.moe_intermediate_size, one, dtype, fp8=fp8)
-                for e in range(*self.expert_range)
-            }
-        )
+        E = self.expert_range[1] - self.expert_range[0]
+        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        zero = nn.initializer.Constant(0)
+        for name, shape in (("w1", [E, inter, h]), ("w3", [E, inter, h]), ("w2", [E, h, inter])):
+            w = self.create_parameter(shape, dtype="uint8" if fp8 else dtype, default_initializer=zero)
+            w.stop_gradient = True  # filled slice by slice at load; the kernels take it by DLPack
+            setattr(self, name, w)
+            if fp8:
+                blocks = [E, -(-shape[1] // FP8_BLOCK), -(-shape[2] // FP8_BLOCK)]
+                sc = self.create_parameter(blocks, dtype="float32", default_initializer=zero)
+                sc.stop_gradient = True
+                setattr(self, name + "_scale_inv", sc)
+        self.fp8 = fp8 is not None
+        self.routed = fused_moe if triton else fused_moe_ref
         shared = cfg.moe_intermediate_size * (cfg.n_shared_experts or 0)
         self.shared_experts = (
             MLP(cfg.hidden_size, shared, tp, dtype, "moe_intermediate_size * n_shared_experts", reduce=False, fp8=fp8)
@@ -94,18 +113,18 @@ class DeepseekV3MoE(nn.Layer):
             else None
         )
 
+    def checkpoint_target(self, expert: int, proj: str, suffix: str) -> tuple[str, int] | None:
+        """(parameter name within this block, slice index) for expert ``expert``'s ``proj``
+        tensor (``suffix`` "" or "_scale_inv"); None for another rank's expert."""
+        lo, hi = self.expert_range
+        if not lo <= expert < hi:
+            return None
+        return STACKED[proj] + suffix, expert - lo
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         ids, w = self.gate(x)
-        out = paddle.zeros([x.shape[0], x.shape[1]], "float32")
-        flat_ids = ids.flatten()
-        lo, hi = self.expert_range
-        for e in paddle.unique(flat_ids).tolist():  # one batched call per local expert that has tokens
-            if not lo <= e < hi:
-                continue
-            hit = paddle.nonzero(flat_ids == e).flatten()
-            tok = hit // ids.shape[1]
-            y = self.experts[str(e)](x[tok]).astype("float32") * w.flatten()[hit].unsqueeze(-1)
-            out = paddle.index_add(out, tok, 0, y)
+        scales = [getattr(self, n + "_scale_inv") for n in ("w1", "w3", "w2")] if self.fp8 else []
+        out = self.routed(x, ids - self.expert_range[0], w, self.w1, self.w3, self.w2, *scales)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).astype("float32")
         return self.tp.all_reduce(out).astype(x.dtype)

@@ -31,7 +31,7 @@ from fastdeploy.model_executor.layers.moe import MLP, DeepseekV3MoE
 from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.rotary_embedding import DeepseekRotaryEmbedding, deepseek_softmax_scale
 
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)\.weight(_scale_inv)?$")
 
 
 def fp8_linears(cfg: ModelConfig, kernels: KernelConfig) -> FP8Linear | None:
@@ -113,7 +113,7 @@ class DeepseekV3DecoderLayer(nn.Layer):
         moe = cfg.n_routed_experts and layer_id >= cfg.first_k_dense_replace and layer_id % cfg.moe_layer_freq == 0
         fp8 = fp8_linears(cfg, kernels)
         if moe:
-            self.mlp = DeepseekV3MoE(cfg, tp, dtype, fp8)
+            self.mlp = DeepseekV3MoE(cfg, tp, dtype, fp8, kernels.triton)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype, fp8=fp8)
 
@@ -152,12 +152,20 @@ class DeepseekV3ForCausalLM(nn.Layer):
 
     def owns_checkpoint_tensor(self, name: str) -> bool:
         """False for the routed experts another rank holds."""
+        return self.checkpoint_target(name) is not None
+
+    def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
+        """Where checkpoint tensor ``name`` loads: (parameter name, None) for a tensor of its own
+        name, (stacked parameter, slice) for a routed expert's projection, None for another
+        rank's expert."""
         m = _EXPERT.match(name)
         if m is None:
-            return True
-        mlp = self.model.layers[int(m.group(1))].mlp
-        lo, hi = getattr(mlp, "expert_range", (0, 0))
-        return lo <= int(m.group(2)) < hi
+            return name, None
+        layer = int(m.group(1))
+        if not 0 <= layer < len(self.model.layers) or not hasattr(self.model.layers[layer].mlp, "checkpoint_target"):
+            return name, None  # MTP layers, or a layer without routed experts: the loader reports it
+        t = self.model.layers[layer].mlp.checkpoint_target(int(m.group(2)), m.group(3), m.group(4) or "")
+        return None if t is None else (f"model.layers.{layer}.mlp.{t[0]}", t[1])
 
     @property
     def sliding_windows(self) -> list[int]:
