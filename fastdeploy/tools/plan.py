@@ -8,8 +8,9 @@ tokens of KV that fit.
 The shapes come from the model itself, built for rank 0 without memory (paddle.LazyGuard), so
 the figures follow the same sharding as the runner. Weights are given de-quantized to the model
 dtype (``--quantization none``) and, for an FP8 checkpoint, as the runner keeps them with
-``--quantization fp8`` (e4m3 projections and experts plus one float32 scale per 128 x 128 block). The KV pools are sized as the
-runner sizes them (``plan_kv_blocks``) from the memory left after the weights.
+``--quantization fp8`` (e4m3 projections and experts plus one float32 scale per 128 x 128 block).
+The KV pools are sized as the runner sizes them (``plan_kv_blocks``) from the memory left after
+the weights.
 """
 
 from __future__ import annotations

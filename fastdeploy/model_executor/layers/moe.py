@@ -98,11 +98,13 @@ class DeepseekV3MoE(nn.Layer):
         for name, shape in (("w1", [E, inter, h]), ("w3", [E, inter, h]), ("w2", [E, h, inter])):
             w = self.create_parameter(shape, dtype="uint8" if fp8 else dtype, default_initializer=zero)
             w.stop_gradient = True  # filled slice by slice at load; the kernels take it by DLPack
+            w.tp_shard = (0, *self.expert_range, cfg.n_routed_experts)  # this rank's experts of all
             setattr(self, name, w)
             if fp8:
                 blocks = [E, -(-shape[1] // FP8_BLOCK), -(-shape[2] // FP8_BLOCK)]
                 sc = self.create_parameter(blocks, dtype="float32", default_initializer=zero)
                 sc.stop_gradient = True
+                sc.tp_shard = w.tp_shard
                 setattr(self, name + "_scale_inv", sc)
         self.fp8 = fp8 is not None
         self.routed = fused_moe if triton else fused_moe_ref
