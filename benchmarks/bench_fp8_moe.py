@@ -172,14 +172,15 @@ def moe_weights(g: torch.Generator, E: int = 256, H: int = 7168, inter: int = 20
     return out
 
 
-def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float) -> dict:
+def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float, cfg: dict | None = None) -> dict:
     E, inter, H = w["w1"].shape
     K = 8
     x = torch.randn(T, H, device=DEV, generator=g).to(torch.bfloat16)
     ids = torch.randn(T, E, device=DEV, generator=g).topk(K, dim=1).indices
     wts = torch.rand(T, K, device=DEV, generator=g)
     N = T * K
-    bm = block_m_for(N, E)
+    cfg = dict(cfg or {})
+    bm = cfg.pop("block_m", None) or block_m_for(N, E)
     inter_buf = torch.zeros(N, inter, device=DEV, dtype=torch.bfloat16)
     y = torch.zeros(N, H, device=DEV)
     xc, xs = torch.empty(T, H, device=DEV, dtype=torch.uint8), torch.empty(T, H // 128, device=DEV)
@@ -224,20 +225,30 @@ def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float) -> dic
         return out
 
     got = ours().clone()
+
+    def weight(name: str, e: int) -> torch.Tensor:  # float32, exactly what the kernel multiplies by
+        if not fp8:
+            return w[name + "_bf16"][e].float()
+        s = w[name + "_s"][e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return w[name][e].view(torch.float8_e4m3fn).float() * s
+
     errs = []
     for t in range(min(T, 4)):  # float32 reference of the same math
         xt = quantize_ref(x[t : t + 1]) if fp8 else x[t : t + 1].float()
         want = torch.zeros(H, device=DEV)
         for k in range(K):
             e = ids[t, k].item()
-            h = torch.nn.functional.silu(xt @ w["w1_bf16"][e].float().T) * (xt @ w["w3_bf16"][e].float().T)
+            h = torch.nn.functional.silu(xt @ weight("w1", e).T) * (xt @ weight("w3", e).T)
             h = h.to(torch.bfloat16).float()  # the kernel keeps the intermediate in bf16
             h = quantize_ref(h) if fp8 else h
-            want += wts[t, k] * (h @ w["w2_bf16"][e].float().T)[0]
+            want += wts[t, k] * (h @ weight("w2", e).T)[0]
         errs.append(rel(got[t], want))
     flops = 2 * T * K * 3 * H * inter
-    row = {"T": T, "fp8": fp8, "block_m": bm, "rel_err": max(errs), "flops": flops}
+    row = {"T": T, "fp8": fp8, "block_m": bm, "config": cfg, "rel_err": max(errs), "flops": flops}
     row["ours_ms"] = bench(ours)
+    if sweep_only:
+        row["ours_tflops"] = flops / row["ours_ms"] / 1e9
+        return row
     row["naive_ms"] = bench(naive)
     row["ours_tflops"] = flops / row["ours_ms"] / 1e9
     row["ceiling_frac"] = row["ours_tflops"] / ceil
@@ -247,13 +258,42 @@ def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float) -> dic
 
 
 def main() -> None:
+    global sweep_only
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true", help="tile configs instead (kernel rows only)")
+    ap.add_argument("--moe-sweep", action="store_true", help="fused MoE tile configs (kernel rows only)")
     args = ap.parse_args()
     g = torch.Generator(device=DEV).manual_seed(0)
+    if args.moe_sweep:
+        sweep_only = True
+        w, rows = moe_weights(g), []
+        for T in (1, 64, 4096):
+            for fp8 in (False, True):
+                for bm, bn, nw, ns in (
+                    (None, 64, 4, 3),
+                    (None, 32, 4, 3),
+                    (None, 128, 4, 3),
+                    (None, 128, 8, 3),
+                    (None, 64, 4, 4),
+                    (64, 128, 8, 4),
+                    (128, 128, 8, 3),
+                    (128, 64, 8, 4),
+                ):
+                    if bm and T < 512:
+                        continue
+                    cfg = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
+                    try:
+                        rows.append(moe_case(T, fp8, w, g, 1.0, cfg))
+                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                        rows.append({"T": T, "fp8": fp8, "config": cfg, "error": repr(e)[:150]})
+                    r = rows[-1]
+                    print(T, fp8, cfg, f"{r.get('ours_ms', float('nan')):.3f} ms", f"err {r.get('rel_err', 0):.1e}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.sweep:
-        global sweep_only
         sweep_only = True
         rows = []
         big = [(bm, bn, w, st) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (3, 4, 5)]
