@@ -35,18 +35,31 @@ class MHAKeys:
 
 
 @dataclass
+class DenseDecode:
+    """A full layer's decodes for FlashMLA's dense kernel: block_table int32 [n, max_blocks] (the
+    full group's rows of the group's requests) and cache_seqlens int32 [n] (tokens cached after
+    this step's write)."""
+
+    block_table: paddle.Tensor
+    cache_seqlens: paddle.Tensor
+
+
+@dataclass
 class TokenGroup:
     """Tokens of whole requests that attend in one call. ``tokens`` int64 [n] into the step's
     tokens (None: the whole step); ``requests`` the host request ids; ``form``: "mha" (prefill in
     MHA form, with ``mha`` its keys), "prefill" or "decode" (absorbed; FlashMLA has one kernel for
     each, the other providers take both in one call). ``full_indices`` int32 [n, topk]: a full
-    layer's whole-context slots for the absorbed kernels (None on the CPU reference path)."""
+    layer's whole-context slots for the absorbed kernels (None on the CPU reference path);
+    ``dense_decode``: a full layer's decodes as FlashMLA's dense kernel takes them (provider
+    flashmla only; the backend uses it for a bf16 cache)."""
 
     tokens: paddle.Tensor | None
     requests: np.ndarray
     form: str
     mha: MHAKeys | None = None
     full_indices: paddle.Tensor | None = None
+    dense_decode: DenseDecode | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -65,8 +78,9 @@ class ForwardMeta:
     Derived once by the builder: swa_indices {W: int32 [T, topk]} with topk = W rounded up to the
     provider's multiple; attn_groups {W: [TokenGroup]}, how the layers of window W (0: full
     layers) split the step's tokens into calls, each prefill request in the form the cost model
-    (or the setting) picked; flashmla_schedule, FlashMLA's decode schedule (None unless FlashMLA
-    decodes this step).
+    (or the setting) picked; flashmla_schedule, FlashMLA's sparse decode schedule (None unless
+    FlashMLA decodes SWA layers this step); flashmla_dense_schedule, its dense decode schedule for
+    full layers' decodes.
     """
 
     input_ids: paddle.Tensor
@@ -82,6 +96,7 @@ class ForwardMeta:
     swa_indices: dict[int, paddle.Tensor]
     attn_groups: dict[int, list[TokenGroup]]
     flashmla_schedule: object | None = None
+    flashmla_dense_schedule: object | None = None
 
     @property
     def num_requests(self) -> int:
@@ -145,12 +160,15 @@ class ForwardMetaBuilder:
         }
         step = _Step(enc, dec, this, cu, pos, bid, bs)
         attn_groups = {}
+        flashmla = provider == "flashmla"
         for W in self.windows:
             g = SWA_GROUP if W > 0 else FULL_GROUP
-            attn_groups[W] = self._groups(step, W, host_tables[g], tables[g], provider == "flashmla" and W > 0)
-        schedule = None
-        if provider == "flashmla" and self.sliding_windows and (enc == 0).any():
+            attn_groups[W] = self._groups(step, W, host_tables[g], tables[g], flashmla)
+        schedule = dense_schedule = None
+        if flashmla and self.sliding_windows and (enc == 0).any():
             schedule = flashmla_schedule()
+        if flashmla and 0 in self.windows and (enc == 0).any():
+            dense_schedule = flashmla_schedule()
         return ForwardMeta(
             input_ids=paddle.to_tensor(ids),
             positions=positions,
@@ -165,6 +183,7 @@ class ForwardMetaBuilder:
             swa_indices=swa_indices,
             attn_groups=attn_groups,
             flashmla_schedule=schedule,
+            flashmla_dense_schedule=dense_schedule,
         )
 
     def _groups(
@@ -201,6 +220,10 @@ class ForwardMetaBuilder:
                     top,
                     top,
                     triton=True,
+                )
+            if W == 0 and kind == "decode" and split_decode:  # FlashMLA's dense decode, for a bf16 cache
+                group.dense_decode = DenseDecode(
+                    paddle.to_tensor(host_table[reqs]), paddle.to_tensor((step.dec[reqs] + 1).astype(np.int32))
                 )
             groups.append(group)
         return groups

@@ -153,3 +153,44 @@ def test_mha_groups_and_keys_in_view(rng):
         ForwardMetaBuilder(BS, [8], KernelConfig(mla_prefill_form="mha"), 4).build(
             [1] * 4, [4], [20], {"swa": [released]}
         )
+
+
+def test_full_layer_decodes_go_to_flashmla_dense(tmp_path, rng, monkeypatch):
+    """With the flashmla provider and a bf16 full-layer cache, full layers' decodes run FlashMLA's
+    dense decode on the paged cache (block table rows and cache lengths from the step builder);
+    a fake flash_mla computes that contract in torch, and the logits match the reference path."""
+    import torch
+
+    calls = []
+
+    def dense(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, softmax_scale, causal, **kw):
+        calls.append((block_table.clone(), cache_seqlens.clone(), q.shape, causal, tile_scheduler_metadata))
+        b, _, h, _ = q.shape
+        bs = k_cache.shape[1]
+        out = torch.zeros(b, 1, h, head_dim_v)
+        for i in range(b):
+            pos = torch.arange(int(cache_seqlens[i]))
+            rows = k_cache.reshape(-1, 576)[block_table[i].long()[pos // bs] * bs + pos % bs].float()
+            p = torch.softmax(q[i, 0].float() @ rows.T * softmax_scale, -1)
+            out[i, 0] = p @ rows[:, :head_dim_v]
+        return out.to(torch.bfloat16), torch.zeros(b, h, 1)
+
+    fake = types.SimpleNamespace(get_mla_metadata=lambda: ("sched", None), flash_mla_with_kvcache=dense)
+    monkeypatch.setitem(sys.modules, "flash_mla", fake)
+    d = make_tiny_model(str(tmp_path / "full"), seed=6, num_layers=2, swa_layers=[], first_k_dense=2)
+    ids = [int(x) for x in rng.integers(0, 500, 2 * BS + 5)]
+    logits = {}
+    for provider in ("reference", "flashmla"):
+        h = Harness(d, kv_cache_dtype="bf16", kernels=KernelConfig(sparse_mla_provider=provider))
+        h.prefill("a", ids[:20])
+        h.prefill("b", ids[:7])
+        steps = [h.step([("a", [t]), ("b", [t])], decode={"a", "b"}) for t in ids[20:]]
+        logits[provider] = np.stack([np.concatenate([s["a"], s["b"]]) for s in steps])
+    n_layers = 2
+    assert len(calls) == n_layers * len(ids[20:])  # every full layer's decodes, every step
+    table, seqlens, shape, causal, sched = calls[-1]
+    assert causal and sched == "sched" and list(shape) == [2, 1, 64, 576]  # 4 heads padded to 64
+    assert seqlens.tolist() == [len(ids), 7 + len(ids) - 20]
+    np.testing.assert_array_equal(table[0, : len(h.tables["a"])].numpy(), h.tables["a"])
+    err = np.abs(logits["flashmla"] - logits["reference"]).max() / np.abs(logits["reference"]).max()
+    assert err < 3e-2, err  # bf16 q in the dense kernel

@@ -4,8 +4,9 @@ Cache per layer: [num_blocks, block_size, 1, 576] in the model dtype or bf16 (51
 64 rope), or the 656-byte FP8 record (uint8 [..., 656]) when kv_cache_dtype is "fp8".
 ``forward`` (MLABackendBase) runs prefill requests in MHA form (window 0: the whole context) or
 absorbed; absorbed groups run the sparse MLA Triton kernel over the group's whole-context
-indices (the kernel reads both cache formats) or, on the CPU reference path, one batched
-attention per request.
+indices (the kernel reads both cache formats), or with the flashmla provider and a bf16 cache,
+decodes through FlashMLA's dense kernel; on the CPU reference path, one batched attention per
+request.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import paddle
 from fastdeploy.config import FULL_GROUP, KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta, TokenGroup
 from fastdeploy.model_executor.layers.attention.base_backend import MLABackendBase
+from fastdeploy.model_executor.layers.attention.sparse_mla_providers import flashmla_dense_decode
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import (
     RECORD_BYTES,
     dequant_mla_fp8_cache,
@@ -51,6 +53,11 @@ class MLAAttentionBackend(MLABackendBase):
         return flat.astype("float32")
 
     def absorbed(self, q: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta, group: TokenGroup) -> paddle.Tensor:
+        if group.dense_decode is not None and cache.dtype == paddle.bfloat16:  # FlashMLA's dense decode
+            d = group.dense_decode
+            return flashmla_dense_decode(
+                q, cache, d.block_table, d.cache_seqlens, self.softmax_scale, meta.flashmla_dense_schedule
+            )
         if group.full_indices is not None:  # the kernel path
             return sparse_mla_triton(q, cache, group.full_indices, self.softmax_scale)[0].astype("float32")
         T, H = q.shape[0], q.shape[1]

@@ -157,3 +157,38 @@ def _flashmla(
         out = _paddle(out)[0]  # [T, hp, 512]
         lse = _paddle(lse)[0].transpose([1, 0])  # [hp, T] -> [T, hp]
     return out[:, :H].astype(out_dtype), lse[:, :H].astype("float32")
+
+
+def flashmla_dense_decode(
+    q: paddle.Tensor,
+    cache: paddle.Tensor,
+    block_table: paddle.Tensor,
+    cache_seqlens: paddle.Tensor,
+    softmax_scale: float,
+    schedule: object | None,
+) -> paddle.Tensor:
+    """FlashMLA's dense decode for full layers: q [n, H, 576] (one token a request), a bf16 cache
+    [num_blocks, block_size, 1, 576], block_table int32 [n, max_blocks], cache_seqlens int32 [n]
+    -> latent float32 [n, H, 512]. Heads are zero-padded to 64 / 128 as for the sparse kernels."""
+    import flash_mla
+
+    n, H = q.shape[0], q.shape[1]
+    q = q.astype("bfloat16")
+    hp = _pad_heads(H)
+    qp = paddle.concat([q, paddle.zeros([n, hp - H, 576], dtype=q.dtype)], axis=1) if hp != H else q
+    sched = flashmla_schedule() if schedule is None else schedule
+    extra = {}
+    if isinstance(sched, tuple):  # releases that return (metadata, num_splits)
+        sched, extra["num_splits"] = sched
+    out, _lse = flash_mla.flash_mla_with_kvcache(
+        _torch(qp.unsqueeze(1)),
+        _torch(cache),
+        _torch(block_table.astype("int32")),
+        _torch(cache_seqlens.astype("int32")),
+        head_dim_v=512,
+        tile_scheduler_metadata=sched,
+        softmax_scale=softmax_scale,
+        causal=True,
+        **extra,
+    )
+    return _paddle(out)[:, 0, :H].astype("float32")
