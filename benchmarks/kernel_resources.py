@@ -164,7 +164,7 @@ def cases():
             f"w8a8_gemm m{cfg['block_m']} n{cfg['block_n']}",
             gemm._w8a8_gemm_kernel,
             {
-                "A": "*u8",
+                "A": "*bf16" if cfg["fuse_quant"] else "*u8",
                 "AS": "*fp32",
                 "B": "*u8",
                 "BS": "*fp32",
@@ -173,8 +173,9 @@ def cases():
                 "BLOCK_M": "constexpr",
                 "BLOCK_N": "constexpr",
                 "DOT_FP8": "constexpr",
+                "QUANT_A": "constexpr",
             },
-            {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "DOT_FP8": True},
+            {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "DOT_FP8": True, "QUANT_A": cfg["fuse_quant"]},
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )
     yield (

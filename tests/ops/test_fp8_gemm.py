@@ -76,6 +76,17 @@ def test_tiles_and_split_k(cfg, rng):
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_quantization_inside_the_gemm(split_k, rng):
+    """The one-launch path (activations in, quantized per K block in the GEMM) against float64."""
+    x, codes, scale = make(rng, 9, 70, 300)
+    cfg = {"block_m": 16, "block_n": 64, "split_k": split_k, "num_warps": 4, "num_stages": 1}
+    out = paddle.full([split_k, 9, 70], float("nan"), "float32")
+    launch_w8a8_gemm(paddle.to_tensor(x), None, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
+    want = numpy_ref(x, codes, scale)
+    np.testing.assert_allclose(out.numpy().sum(0), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def test_bad_weights_named(rng):
     x, codes, scale = make(rng, 2, 200, 300)
     with pytest.raises(ValueError, match="q_proj.weight_scale_inv: must be float32 \\[2, 3\\]"):

@@ -9,6 +9,9 @@ ws [ceil(N/128), ceil(K/128)] (the real weight is code * scale per 128 x 128 blo
    over K blocks. BLOCK_N divides 128, so a tile's columns share one weight scale per K block.
    With SPLIT_K > 1 each program sums its share of the K blocks into a float32 partial
    [SPLIT_K, M, N], which the caller sums (small M: more programs than M x N tiles alone give).
+3. QUANT_A (small M): the GEMM takes the activations and quantizes each K block of its rows in
+   registers, the same way, so a decode-sized linear is one launch instead of two; each N tile
+   repeats the quantization of its M <= 64 rows, which costs little beside the weight it streams.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def _w8a8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP8: tl.constexpr,
+    QUANT_A: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -77,13 +81,18 @@ def _w8a8_gemm_kernel(
         k_ok = kb * 128 + kk < K
         a = tl.load(a_ptr + kb * 128, mask=r_ok[:, None] & k_ok[None, :], other=0)
         b = tl.load(b_ptr + kb * 128, mask=c_ok[:, None] & k_ok[None, :], other=0)
+        if QUANT_A:  # A holds the activations: quantize this block here, as _act_quant_kernel does
+            af = a.to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / 448.0
+            a = _e4m3_byte(tl.minimum(tl.maximum(af / a_s[:, None], -448.0), 448.0))
+        else:
+            a_s = tl.load(AS + rows.to(tl.int64) * sas + kb, mask=r_ok, other=0.0)
         a = a.to(tl.float8e4nv, bitcast=True)
         b = b.to(tl.float8e4nv, bitcast=True)
         if not DOT_FP8:  # the interpreter: exact products in float32
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         part = tl.dot(a, tl.trans(b))  # [BLOCK_M, BLOCK_N] float32
-        a_s = tl.load(AS + rows.to(tl.int64) * sas + kb, mask=r_ok, other=0.0)
         b_s = tl.load(BS + nb * sbs + kb)
         acc += part * (a_s * b_s)[:, None]
     dst = C + split * sc_split + rows.to(tl.int64)[:, None] * sc + cols[None, :]
@@ -99,8 +108,9 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
     unsplit, 0.044 in 4)."""
     n_kb = triton.cdiv(K, FP8_BLOCK)
     if M >= 128:
-        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1}
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1, "fuse_quant": False}
     cfg = {"block_m": max(16, triton.next_power_of_2(M)), "block_n": 64, "num_warps": 4, "num_stages": 4}
+    cfg["fuse_quant"] = True  # one launch for a decode-sized linear
     tiles = triton.cdiv(M, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"])
     split = 4 if n_kb >= 64 and tiles < num_sms else 1
     cfg["split_k"] = triton.cdiv(n_kb, triton.cdiv(n_kb, split))  # every split gets K blocks
@@ -120,7 +130,8 @@ def launch_act_quant(x, codes, scales) -> None:
 
 
 def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict) -> None:
-    """a uint8 [M, K] codes, a_s float32 [M, ceil(K/128)], b uint8 [N, K], b_s float32
+    """a uint8 [M, K] codes with a_s float32 [M, ceil(K/128)], or (a_s None) the activations
+    bf16 / float32 [M, K] quantized inside the GEMM; b uint8 [N, K], b_s float32
     [ceil(N/128), ceil(K/128)] -> out [SPLIT_K, M, N] (float32 partials when cfg["split_k"] > 1,
     else [1, M, N] or [M, N] in the output dtype)."""
     M, K, N = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
@@ -138,7 +149,7 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict) -> None:
         _w8a8_gemm_kernel,
         grid,
         a,
-        a_s,
+        a if a_s is None else a_s,
         b,
         b_s,
         out,
@@ -146,7 +157,7 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict) -> None:
         N,
         K,
         stride(a, 0),
-        stride(a_s, 0),
+        0 if a_s is None else stride(a_s, 0),
         stride(b, 0),
         stride(b_s, 0),
         M * N,
@@ -155,6 +166,7 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict) -> None:
         BLOCK_M=cfg["block_m"],
         BLOCK_N=cfg["block_n"],
         DOT_FP8=not interpret_mode(),
+        QUANT_A=a_s is None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
