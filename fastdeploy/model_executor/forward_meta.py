@@ -17,6 +17,7 @@ import paddle
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, KernelConfig
 from fastdeploy.model_executor.layers.attention.prefill_form import choose_prefill_form
 from fastdeploy.model_executor.layers.attention.sparse_mla_providers import flashmla_schedule, step_topk_multiple
+from fastdeploy.model_executor.ops.triton_ops.mla_prefill import PrefillBatch
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer_top_k
 
 
@@ -24,14 +25,11 @@ from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer
 class MHAKeys:
     """The keys in view of a group of prefill requests in MHA form (docs/design.md §4.7), in the
     layer kind's cache: ``slots`` int64 [S], each request's keys ascending from ``k_start[b]``
-    (the window's first position, or 0), its chunk's own tokens last. Host int32: ``cu_seqlens_q``
-    and ``cu_seqlens_k`` [n + 1], ``q_start`` and ``k_start`` [n] (absolute positions)."""
+    (the window's first position, or 0), its chunk's own tokens last; ``batch`` their varlen
+    layout (host arrays and their device copies, made once a step)."""
 
     slots: paddle.Tensor
-    cu_seqlens_q: np.ndarray
-    cu_seqlens_k: np.ndarray
-    q_start: np.ndarray
-    k_start: np.ndarray
+    batch: PrefillBatch
 
 
 @dataclass
@@ -239,13 +237,10 @@ class ForwardMetaBuilder:
             raise ValueError(f"a prefill's keys in view (window {W}) lie in released or missing blocks")
         kslots = blk.astype(np.int64) * step.bs + np.concatenate(kpos) % step.bs
         n = end - q_start
-        return MHAKeys(
-            slots=paddle.to_tensor(kslots),
-            cu_seqlens_q=np.concatenate([[0], np.cumsum(n)]).astype(np.int32),
-            cu_seqlens_k=np.concatenate([[0], np.cumsum(end - k_start)]).astype(np.int32),
-            q_start=q_start.astype(np.int32),
-            k_start=k_start.astype(np.int32),
+        batch = PrefillBatch.of(
+            np.concatenate([[0], np.cumsum(n)]), np.concatenate([[0], np.cumsum(end - k_start)]), q_start, k_start
         )
+        return MHAKeys(slots=paddle.to_tensor(kslots), batch=batch)
 
 
 @dataclass

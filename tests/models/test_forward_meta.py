@@ -139,9 +139,15 @@ def test_mha_groups_and_keys_in_view(rng):
                     [window_slots(tables[1], 9, 10, 10), window_slots(tables[2], 49, 49 - 23 + 1, 27)]
                 )
             np.testing.assert_array_equal(keys.slots.numpy(), want)
-            assert keys.q_start.tolist() == [3, 30] and keys.k_start.tolist() == k_start
-            assert keys.cu_seqlens_q.tolist() == [0, 7, 27]
-            assert keys.cu_seqlens_k.tolist() == [0, 10, 10 + 50 - k_start[1]]
+            assert keys.batch.q_start.tolist() == [3, 30] and keys.batch.k_start.tolist() == k_start
+            assert keys.batch.cu_seqlens_q.tolist() == [0, 7, 27]
+            assert keys.batch.cu_seqlens_k.tolist() == [0, 10, 10 + 50 - k_start[1]]
+            for host, dev in zip(
+                (keys.batch.cu_seqlens_q, keys.batch.cu_seqlens_k, keys.batch.q_start, keys.batch.k_start),
+                keys.batch.device,
+                strict=True,
+            ):
+                assert dev.dtype == paddle.int32 and dev.numpy().tolist() == host.tolist()
             assert absorbed.form == "absorbed" and absorbed.requests.tolist() == [0]
             assert absorbed.tokens.numpy().tolist() == [0]
             if W == 0 and kernels.triton:

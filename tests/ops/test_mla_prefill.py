@@ -6,7 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy.model_executor.ops.triton_ops.mla_prefill import mla_prefill_attention, mla_prefill_ref
+from fastdeploy.model_executor.ops.triton_ops.mla_prefill import PrefillBatch, mla_prefill_attention, mla_prefill_ref
 
 SCALE = 0.1352
 
@@ -61,7 +61,7 @@ def make_batch(rng, reqs, W, H=4):
 def test_matches_float64(impl, W, reqs, rng):
     q, k, kr, v, cu_q, cu_k, qs, ks = make_batch(rng, reqs, W)
     t = lambda x: paddle.to_tensor(x, "float32")  # noqa: E731
-    got = impl(t(q), t(k), t(kr), t(v), cu_q, cu_k, qs, ks, SCALE, W).numpy()
+    got = impl(t(q), t(k), t(kr), t(v), PrefillBatch.of(cu_q, cu_k, qs, ks), SCALE, W).numpy()
     want = numpy_ref(q, k, kr, v, cu_q, cu_k, qs, ks, W)
     assert np.isfinite(got).all()
     err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
@@ -72,6 +72,6 @@ def test_bad_shapes_named(rng):
     q, k, kr, v, cu_q, cu_k, qs, ks = make_batch(rng, [(0, 4)], 8)
     t = lambda x: paddle.to_tensor(x, "float32")  # noqa: E731
     with pytest.raises(ValueError, match="k_rope must be"):
-        mla_prefill_ref(t(q), t(k), t(kr[:, :32]), t(v), cu_q, cu_k, qs, ks, SCALE, 8)
+        mla_prefill_ref(t(q), t(k), t(kr[:, :32]), t(v), PrefillBatch.of(cu_q, cu_k, qs, ks), SCALE, 8)
     with pytest.raises(ValueError, match="q must be"):
-        mla_prefill_attention(t(q[..., :128]), t(k), t(kr), t(v), cu_q, cu_k, qs, ks, SCALE, 8)
+        mla_prefill_attention(t(q[..., :128]), t(k), t(kr), t(v), PrefillBatch.of(cu_q, cu_k, qs, ks), SCALE, 8)

@@ -106,10 +106,7 @@ class MLABackendBase:
             k,
             latent[:, 512:].astype(dt),
             v,
-            keys.cu_seqlens_q,
-            keys.cu_seqlens_k,
-            keys.q_start,
-            keys.k_start,
+            keys.batch,
             self.softmax_scale,
             self.window,
         )

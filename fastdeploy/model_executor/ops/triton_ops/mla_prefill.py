@@ -4,6 +4,8 @@ docstring."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import paddle
 
@@ -29,36 +31,51 @@ def _check(q: paddle.Tensor, k: paddle.Tensor, k_rope: paddle.Tensor, v: paddle.
     return nope
 
 
+@dataclass(frozen=True)
+class PrefillBatch:
+    """The varlen layout of B prefill requests, host int32 arrays: cu_seqlens_q / cu_seqlens_k
+    [B + 1], q_start / k_start [B] (absolute position of each request's first query / key), and
+    ``device``, the same four as paddle int32 tensors for the kernel, made once (by ``of``) so a
+    step's layers do not copy them again."""
+
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    q_start: np.ndarray
+    k_start: np.ndarray
+    device: tuple[paddle.Tensor, ...]
+
+    @classmethod
+    def of(cls, cu_seqlens_q, cu_seqlens_k, q_start, k_start) -> PrefillBatch:
+        host = [np.asarray(a, np.int32) for a in (cu_seqlens_q, cu_seqlens_k, q_start, k_start)]
+        return cls(*host, device=tuple(paddle.to_tensor(a) for a in host))
+
+    @property
+    def max_q(self) -> int:
+        return int(np.diff(self.cu_seqlens_q).max()) if len(self.cu_seqlens_q) > 1 else 0
+
+
 def mla_prefill_attention(
     q: paddle.Tensor,
     k: paddle.Tensor,
     k_rope: paddle.Tensor,
     v: paddle.Tensor,
-    cu_seqlens_q: np.ndarray,
-    cu_seqlens_k: np.ndarray,
-    q_start: np.ndarray,
-    k_start: np.ndarray,
+    batch: PrefillBatch,
     softmax_scale: float,
     window: int = 0,
 ) -> paddle.Tensor:
-    """The Triton kernel: out [T, H, 128] in q's dtype. The host arrays are int [B + 1] / [B]."""
+    """The Triton kernel: out [T, H, 128] in q's dtype."""
     _check(q, k, k_rope, v)
     out = paddle.empty([q.shape[0], q.shape[1], v.shape[2]], dtype=q.dtype)
-    t = lambda a: paddle.to_tensor(np.asarray(a, np.int32))  # noqa: E731
-    max_q = int(np.diff(cu_seqlens_q).max()) if len(cu_seqlens_q) > 1 else 0
     launch_mla_prefill(
         q.contiguous(),
         k.contiguous(),
         k_rope.contiguous(),
         v.contiguous(),
         out,
-        t(cu_seqlens_q),
-        t(cu_seqlens_k),
-        t(q_start),
-        t(k_start),
+        *batch.device,
         softmax_scale,
         window,
-        max_q,
+        batch.max_q,
     )
     return out
 
@@ -68,15 +85,13 @@ def mla_prefill_ref(
     k: paddle.Tensor,
     k_rope: paddle.Tensor,
     v: paddle.Tensor,
-    cu_seqlens_q: np.ndarray,
-    cu_seqlens_k: np.ndarray,
-    q_start: np.ndarray,
-    k_start: np.ndarray,
+    batch: PrefillBatch,
     softmax_scale: float,
     window: int = 0,
 ) -> paddle.Tensor:
     """Paddle reference in float32, one request at a time (keys a query may not see are never read)."""
     nope = _check(q, k, k_rope, v)
+    cu_seqlens_q, cu_seqlens_k, q_start, k_start = batch.cu_seqlens_q, batch.cu_seqlens_k, batch.q_start, batch.k_start
     outs = []
     for b in range(len(cu_seqlens_q) - 1):
         qs, qe, ks, ke = (int(x) for x in (cu_seqlens_q[b], cu_seqlens_q[b + 1], cu_seqlens_k[b], cu_seqlens_k[b + 1]))
