@@ -100,6 +100,22 @@ def _paddle(x) -> paddle.Tensor:
     return paddle.from_dlpack(x.contiguous())
 
 
+def _padded_bf16_q(q: paddle.Tensor) -> paddle.Tensor:
+    """q [T, H, 576] -> bf16 [T, 64 or 128, 576], the extra heads zero."""
+    T, H = q.shape[0], q.shape[1]
+    q, hp = q.astype("bfloat16"), _pad_heads(H)
+    return paddle.concat([q, paddle.zeros([T, hp - H, 576], dtype=q.dtype)], axis=1) if hp != H else q
+
+
+def _schedule_args(schedule: object | None) -> tuple[object, dict]:
+    """The step's schedule (a new one when None) and the extra keyword releases that return
+    (metadata, num_splits) want."""
+    sched = flashmla_schedule() if schedule is None else schedule
+    if isinstance(sched, tuple):
+        return sched[0], {"num_splits": sched[1]}
+    return sched, {}
+
+
 def flashmla_schedule() -> object:
     """FlashMLA's decode schedule object for one step (``get_mla_metadata``)."""
     import flash_mla
@@ -118,10 +134,8 @@ def _flashmla(
     """FlashMLA is a torch extension: paddle tensors cross as zero-copy dlpack views."""
     import flash_mla
 
-    T, H = q.shape[0], q.shape[1]
-    out_dtype, q = q.dtype, q.astype("bfloat16")
-    hp = _pad_heads(H)
-    qp = paddle.concat([q, paddle.zeros([T, hp - H, 576], dtype=q.dtype)], axis=1) if hp != H else q
+    H = q.shape[1]
+    out_dtype, qp = q.dtype, _padded_bf16_q(q)
     idx = indices.astype("int32")
     idx = paddle.where(idx >= 0, idx, paddle.full_like(idx, -1))  # -1 is the only safe invalid index
     idx = _pad_last(idx, topk_multiple("flashmla", is_prefill), -1)
@@ -137,10 +151,7 @@ def _flashmla(
         )
         out, lse = _paddle(out), _paddle(lse)  # [T, hp, 512], [T, hp]
     else:
-        sched = flashmla_schedule() if schedule is None else schedule
-        extra = {}
-        if isinstance(sched, tuple):  # releases that return (metadata, num_splits)
-            sched, extra["num_splits"] = sched
+        sched, extra = _schedule_args(schedule)
         out, lse = flash_mla.flash_mla_with_kvcache(
             _torch(qp.unsqueeze(0)),
             _torch(kv_cache),
@@ -172,14 +183,9 @@ def flashmla_dense_decode(
     -> latent float32 [n, H, 512]. Heads are zero-padded to 64 / 128 as for the sparse kernels."""
     import flash_mla
 
-    n, H = q.shape[0], q.shape[1]
-    q = q.astype("bfloat16")
-    hp = _pad_heads(H)
-    qp = paddle.concat([q, paddle.zeros([n, hp - H, 576], dtype=q.dtype)], axis=1) if hp != H else q
-    sched = flashmla_schedule() if schedule is None else schedule
-    extra = {}
-    if isinstance(sched, tuple):  # releases that return (metadata, num_splits)
-        sched, extra["num_splits"] = sched
+    H = q.shape[1]
+    qp = _padded_bf16_q(q)
+    sched, extra = _schedule_args(schedule)
     out, _lse = flash_mla.flash_mla_with_kvcache(
         _torch(qp.unsqueeze(1)),
         _torch(cache),
