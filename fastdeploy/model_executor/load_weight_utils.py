@@ -19,9 +19,8 @@ import numpy as np
 import paddle
 from tqdm import tqdm
 
-from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, SafeTensorsFile
-
-FP8_BLOCK = 128
+from fastdeploy.model_executor.ops.fp8_numerics import FP8_BLOCK, dequant_fp8_blocks
+from fastdeploy.model_executor.safetensors_io import SafeTensorsFile
 
 
 class CheckpointError(ValueError):
@@ -45,13 +44,12 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def dequant_fp8_block(codes: np.ndarray, scale_inv: np.ndarray, name: str) -> np.ndarray:
-    """e4m3 codes [out, in] x scale_inv [ceil(out/128), ceil(in/128)] -> float32 [out, in]."""
-    rows, cols = codes.shape
-    want = (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK))
-    if scale_inv.shape != want:
-        raise CheckpointError(f"tensor {name}_scale_inv has shape {scale_inv.shape}, expected {want} for {name}")
-    full = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
-    return E4M3_TO_F32[codes] * full
+    """e4m3 codes [out, in] x scale_inv [ceil(out/128), ceil(in/128)] -> float32 [out, in]; a
+    CheckpointError naming the tensor when the scales do not fit."""
+    try:
+        return dequant_fp8_blocks(codes, scale_inv)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {name}_scale_inv {e} for {name}") from None
 
 
 def fp8_block_scales(scale_inv: SafeTensorsFile, s: str, shard: tuple | None, rank: int) -> np.ndarray:

@@ -28,18 +28,6 @@ def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
-def _e4m3_table() -> np.ndarray:
-    b = np.arange(256, dtype=np.int64)
-    sign = np.where(b & 0x80, -1.0, 1.0)
-    exp, man = (b >> 3) & 0xF, b & 0x7
-    val = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * 2.0 ** (exp - 7))
-    val = np.where((exp == 15) & (man == 7), np.nan, val)  # e4m3fn: only S.1111.111 is NaN
-    return (sign * val).astype(np.float32)
-
-
-E4M3_TO_F32 = _e4m3_table()
-
-
 def save_file(path: str, tensors: dict[str, tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> None:
     """Write ``{name: (dtype, array)}``; dtype is a safetensors name ("BF16" takes float32 input,
     "F8_E4M3" takes the uint8 codes). Tensors are written in sorted name order."""
@@ -69,7 +57,7 @@ def save_file(path: str, tensors: dict[str, tuple[str, np.ndarray]], metadata: d
 class SafeTensorsFile:
     """Lazy reader: ``keys()``, ``dtype(name)``, ``shape(name)``, ``get(name)`` -> numpy.
 
-    ``get`` returns float32 for BF16/F16/F32, uint8 codes for F8_E4M3 (see ``E4M3_TO_F32``)."""
+    ``get`` returns float32 for BF16/F16/F32, uint8 codes for F8_E4M3 (``ops/fp8_numerics.py`` decodes them)."""
 
     def __init__(self, path: str) -> None:
         self.path = path

@@ -12,7 +12,8 @@ import tempfile
 
 import numpy as np
 
-from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, save_file
+from fastdeploy.model_executor.ops.fp8_numerics import quantize_fp8_blocks
+from fastdeploy.model_executor.safetensors_io import save_file
 
 TINY_PRESET = "tiny-mla-swa"
 PRESET_VERSION = 1
@@ -154,32 +155,13 @@ def is_fp8_tensor(name: str) -> bool:
     return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
-def quantize_fp8_block(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [out, in] -> (e4m3 codes uint8, float32 scales [ceil(out/128), ceil(in/128)]):
-    per 128 x 128 block, scale = amax / 448 and the nearest e4m3 value (ties to the even code)."""
-    rows, cols = w.shape
-    br, bc = -(-rows // 128), -(-cols // 128)
-    pad = np.zeros((br * 128, bc * 128), np.float32)
-    pad[:rows, :cols] = w
-    blocks = pad.reshape(br, 128, bc, 128)
-    scale = np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-12).astype(np.float32) / np.float32(448)
-    q = (blocks / scale[:, None, :, None]).reshape(br * 128, bc * 128)[:rows, :cols]
-    grid = E4M3_TO_F32[:127].astype(np.float64)  # non-negative finite values, codes 0..126
-    a = np.abs(q).astype(np.float64)
-    hi = np.clip(np.searchsorted(grid, a), 0, 126)
-    lo = np.clip(hi - 1, 0, 126)
-    take_lo = (a - grid[lo] < grid[hi] - a) | ((a - grid[lo] == grid[hi] - a) & (lo % 2 == 0))
-    codes = np.where(take_lo, lo, hi).astype(np.uint8)
-    return np.where(q < 0, codes | 0x80, codes).astype(np.uint8), scale.astype(np.float32)
-
-
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], bf16: bool = True, fp8: bool = False) -> None:
     """float32 arrays -> a safetensors file; bf16 except ``e_score_correction_bias`` (float32, as
     DeepSeek-V3 ships it); with ``fp8`` the projections as e4m3 codes plus ``_scale_inv``."""
     out = {}
     for k, v in tensors.items():
         if fp8 and is_fp8_tensor(k):
-            codes, scale = quantize_fp8_block(v)
+            codes, scale = quantize_fp8_blocks(v)
             out[k], out[k + "_scale_inv"] = ("F8_E4M3", codes), ("F32", scale)
         else:
             out[k] = ("F32" if not bf16 or k.endswith("e_score_correction_bias") else "BF16", v)

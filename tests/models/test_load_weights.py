@@ -19,7 +19,8 @@ from fastdeploy.model_executor.load_weight_utils import (
 )
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.model_executor.models.deepseek_v3_reference import forward, load_np
-from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, SafeTensorsFile, save_file
+from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32
+from fastdeploy.model_executor.safetensors_io import SafeTensorsFile, save_file
 from fastdeploy.tools.make_tiny_model import make_tiny_model
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
+from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import (
     check_fp8_weight,
     quantize_activations_ref,
@@ -13,7 +14,6 @@ from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import (
     w8a8_block_linear_ref,
 )
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_w8a8_gemm
-from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32
 
 GRID = E4M3_TO_F32[:127].astype(np.float64)  # the non-negative finite e4m3 values, codes 0..126
 

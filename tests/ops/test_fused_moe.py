@@ -7,10 +7,9 @@ import paddle
 import pytest
 from test_fp8_gemm import e4m3_round
 
+from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, quantize_fp8_blocks
 from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref, moe_align
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import launch_moe_gemm
-from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32
-from fastdeploy.model_executor.tiny_checkpoint import quantize_fp8_block
 
 
 def act_q(x):
@@ -57,7 +56,7 @@ def make(rng, T, H, inter, E, top_k, fp8, route="random"):
         return x, ids, wts, ws, ws, None
     codes, scales, deq = [], [], []
     for w in ws:
-        cs = [quantize_fp8_block(w[e]) for e in range(E)]
+        cs = [quantize_fp8_blocks(w[e]) for e in range(E)]
         codes.append(np.stack([c for c, _ in cs]))
         scales.append(np.stack([s for _, s in cs]))
         deq.append(

@@ -19,7 +19,7 @@ from paddle import nn
 from fastdeploy.config import ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, FP8Linear, RowParallelLinear
-from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import FP8_BLOCK
+from fastdeploy.model_executor.ops.fp8_numerics import FP8_BLOCK
 from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref
 
 

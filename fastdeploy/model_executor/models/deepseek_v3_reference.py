@@ -10,7 +10,8 @@ import math
 
 import numpy as np
 
-from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32, SafeTensorsFile
+from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32
+from fastdeploy.model_executor.safetensors_io import SafeTensorsFile
 
 
 def load_np(model_dir: str) -> dict[str, np.ndarray]:

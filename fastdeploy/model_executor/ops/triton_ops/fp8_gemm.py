@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import paddle
 
+from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, FP8_BLOCK, FP8_MAX, dequant_fp8_blocks
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (
-    FP8_BLOCK,
-    FP8_MAX,
     SCALE_FLOOR,
     launch_act_quant,
     launch_w8a8_gemm,
     tuned_config,
 )
-from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import _e4m3_codes_ref
-from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import e4m3_codes_ref
 
 
 def _blocks(n: int) -> int:
@@ -69,16 +67,13 @@ def quantize_activations_ref(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Te
     )
     xb = xf.reshape([M, kb, FP8_BLOCK])
     s = paddle.clip(xb.abs().max(axis=-1), min=SCALE_FLOOR) / FP8_MAX
-    codes = _e4m3_codes_ref(paddle.clip(xb / s.unsqueeze(-1), -FP8_MAX, FP8_MAX)).reshape([M, kb * FP8_BLOCK])
+    codes = e4m3_codes_ref(paddle.clip(xb / s.unsqueeze(-1), -FP8_MAX, FP8_MAX)).reshape([M, kb * FP8_BLOCK])
     return codes[:, :K].contiguous(), s
 
 
 def dequant_fp8_weight(weight: paddle.Tensor, scale: paddle.Tensor) -> paddle.Tensor:
-    """codes uint8 [N, K] x scales -> float32 [N, K]."""
-    N, K = weight.shape
-    vals = paddle.to_tensor(E4M3_TO_F32)[weight.astype("int64")]
-    full = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:N, :K]
-    return vals * full
+    """codes uint8 [N, K] x scales -> float32 [N, K] (``fp8_numerics.dequant_fp8_blocks``)."""
+    return paddle.to_tensor(dequant_fp8_blocks(weight.numpy(), scale.numpy()), place=weight.place)
 
 
 def w8a8_block_linear_ref(x: paddle.Tensor, weight: paddle.Tensor, scale: paddle.Tensor) -> paddle.Tensor:

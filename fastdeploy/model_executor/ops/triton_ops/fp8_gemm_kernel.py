@@ -19,12 +19,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fastdeploy.model_executor.ops.fp8_numerics import FP8_BLOCK, FP8_MAX
 from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode, launch, stride
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import _e4m3_byte
 
-FP8_BLOCK = 128
-FP8_MAX = 448.0
+_FMAX = tl.constexpr(FP8_MAX)
 SCALE_FLOOR = 1e-12  # an all-zero block gets codes 0 and a tiny scale instead of 0 / 0
+_FLOOR = tl.constexpr(SCALE_FLOOR)
 
 
 @triton.jit
@@ -35,8 +36,8 @@ def _act_quant_kernel(X, Codes, Scales, M, K, sx, sc, ss, FP8_BLOCK_: tl.constex
     cols = kb * FP8_BLOCK_ + tl.arange(0, FP8_BLOCK_)
     ok = cols < K
     x = tl.load(X + m.to(tl.int64) * sx + cols, mask=ok, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / 448.0
-    q = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+    s = tl.maximum(tl.max(tl.abs(x), 0), _FLOOR) / _FMAX
+    q = tl.minimum(tl.maximum(x / s, -_FMAX), _FMAX)
     tl.store(Codes + m.to(tl.int64) * sc + cols, _e4m3_byte(q), mask=ok)
     tl.store(Scales + m.to(tl.int64) * ss + kb, s)
 
@@ -83,8 +84,8 @@ def _w8a8_gemm_kernel(
         b = tl.load(b_ptr + kb * 128, mask=c_ok[:, None] & k_ok[None, :], other=0)
         if QUANT_A:  # A holds the activations: quantize this block here, as _act_quant_kernel does
             af = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-12) / 448.0
-            a = _e4m3_byte(tl.minimum(tl.maximum(af / a_s[:, None], -448.0), 448.0))
+            a_s = tl.maximum(tl.max(tl.abs(af), 1), _FLOOR) / _FMAX
+            a = _e4m3_byte(tl.minimum(tl.maximum(af / a_s[:, None], -_FMAX), _FMAX))
         else:
             a_s = tl.load(AS + rows.to(tl.int64) * sas + kb, mask=r_ok, other=0.0)
         a = a.to(tl.float8e4nv, bitcast=True)

@@ -12,11 +12,10 @@ records back into bf16 [..., 576] (512 latent then 64 rope). Each has a paddle r
 
 from __future__ import annotations
 
-import numpy as np
 import paddle
 
+from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, FP8_MAX, e4m3_encode
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import (
-    FP8_MAX,
     LATENT,
     N_TILES,
     RECORD_BYTES,
@@ -27,7 +26,6 @@ from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import (
     launch_dequant_mla_fp8_cache,
     launch_write_mla_fp8_cache,
 )
-from fastdeploy.model_executor.safetensors_io import E4M3_TO_F32
 
 
 def _check_write_args(kv_c: paddle.Tensor, k_pe: paddle.Tensor, slot_mapping: paddle.Tensor, cache: paddle.Tensor):
@@ -66,17 +64,9 @@ def dequant_mla_fp8_cache(records: paddle.Tensor) -> paddle.Tensor:
 # ---------------------------------------------------------------- paddle references
 
 
-def _e4m3_codes_ref(q: paddle.Tensor) -> paddle.Tensor:
-    """float32 |q| <= 448 -> uint8 e4m3fn codes, ties to even, by nearest-value search."""
-    pos = np.where(np.isfinite(E4M3_TO_F32[:128]), E4M3_TO_F32[:128], np.inf)[:127]  # codes 0..126
-    grid = paddle.to_tensor(pos, dtype="float32")
-    a = q.abs()
-    hi = paddle.searchsorted(grid, a.contiguous()).clip(max=126)  # first grid value >= a
-    lo = (hi - 1).clip(min=0)
-    d_hi, d_lo = grid[hi] - a, a - grid[lo]
-    take_lo = (d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0))
-    code = paddle.where(take_lo, lo, hi)
-    return paddle.where(q < 0, code + 128, code).astype("uint8")
+def e4m3_codes_ref(q: paddle.Tensor) -> paddle.Tensor:
+    """float32 |q| <= 448 -> uint8 e4m3fn codes (``fp8_numerics.e4m3_encode``), as a paddle tensor."""
+    return paddle.to_tensor(e4m3_encode(q.numpy()), place=q.place)
 
 
 def quantize_mla_record_ref(kv_c: paddle.Tensor, k_pe: paddle.Tensor) -> paddle.Tensor:
@@ -89,7 +79,7 @@ def quantize_mla_record_ref(kv_c: paddle.Tensor, k_pe: paddle.Tensor) -> paddle.
     pow2 = paddle.full_like(e, 2.0).pow(e)
     scale = paddle.where(amax > 0, pow2, paddle.ones_like(pow2)).astype("float32")
     q = (x / scale.unsqueeze(-1)).clip(-FP8_MAX, FP8_MAX)
-    codes = _e4m3_codes_ref(q).reshape([T, LATENT])
+    codes = e4m3_codes_ref(q).reshape([T, LATENT])
     scale_bytes = scale.contiguous().view("uint8").reshape([T, 16])
     rope_bytes = k_pe.astype("bfloat16").contiguous().view("uint8").reshape([T, 2 * ROPE])
     return paddle.concat([codes, scale_bytes, rope_bytes], axis=1)

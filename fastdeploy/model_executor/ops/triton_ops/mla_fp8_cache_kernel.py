@@ -8,12 +8,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fastdeploy.model_executor.ops.fp8_numerics import FP8_MAX
 from fastdeploy.model_executor.ops.triton_ops.launcher import launch, stride
 
 RECORD_BYTES = 656
 LATENT, ROPE, TILE, N_TILES = 512, 64, 128, 4
 SCALE_OFFSET, ROPE_OFFSET = 512, 528
-FP8_MAX = 448.0
 # the same numbers as constexpr globals, which is how a jit'ed function may read them
 _REC, _LAT, _ROPE, _TILE, _NT = (tl.constexpr(v) for v in (RECORD_BYTES, LATENT, ROPE, TILE, N_TILES))
 _SC_OFF, _PE_OFF, _FMAX = tl.constexpr(SCALE_OFFSET), tl.constexpr(ROPE_OFFSET), tl.constexpr(FP8_MAX)
