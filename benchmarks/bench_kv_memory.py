@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.cache_manager.block_manager import BlockManager  # noqa: E402
 from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, swa_blocks_per_request  # noqa: E402
+from fastdeploy.model_executor.models.deepseek_v3 import layer_kv_specs  # noqa: E402
 from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model  # noqa: E402
 from fastdeploy.request import Request  # noqa: E402
 from fastdeploy.worker.gpu_model_runner import group_bytes_per_block  # noqa: E402
@@ -58,7 +59,7 @@ def memory_table() -> list[dict]:
     mc = ModelConfig.from_dict(DSV3)
     for kv in ("bf16", "fp8"):
         fd = FDConfig(mc, CacheConfig(block_size=bs, kv_cache_dtype=kv))
-        per = group_bytes_per_block(fd, "bfloat16")
+        per = group_bytes_per_block(layer_kv_specs(mc, fd.cache_config, "bfloat16"), bs)
         for L in (4096, 32768, 131072):
             today = -(-L // bs) * (per["full"] + per["swa"])
             peak = peak_blocks(L, mc.sliding_window, bs, chunk)

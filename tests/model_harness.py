@@ -5,17 +5,17 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig
+from fastdeploy.config import CacheConfig, KernelConfig, ModelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.load_weight_utils import load_weights
-from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
-from fastdeploy.worker.gpu_model_runner import cache_spec
+from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 
 NAN_U8 = 0xFF  # every byte 0xFF: NaN fp8 codes, NaN float32 scales, NaN bf16 rope
 
 
 class Harness:
-    """A loaded model, NaN-poisoned caches, and per-request block tables drawn at random.
+    """A loaded model, NaN-poisoned caches in the layouts the backends declare, and per-request
+    block tables drawn at random, a different one in each KV cache group (``tables[group][rid]``).
     ``kernels`` picks the implementations (default: the CPU reference path)."""
 
     def __init__(
@@ -31,43 +31,43 @@ class Harness:
         self.cfg = ModelConfig.from_pretrained(model_dir)
         self.cfg.quantization = quantization
         self.kernels = kernels or KernelConfig()
-        self.model = DeepseekV3ForCausalLM(self.cfg, "float32", self.kernels)
+        cache_config = CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype)
+        self.model = DeepseekV3ForCausalLM(self.cfg, "float32", self.kernels, cache_config=cache_config)
         load_weights(self.model, model_dir, self.cfg.num_hidden_layers, show_progress=False)
-        fd = FDConfig(self.cfg, CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype))
         self.caches = []
-        for i in range(self.cfg.num_hidden_layers):
-            dtype, _ = cache_spec(fd, i, "float32")
-            last = 656 if dtype == "uint8" else 576
-            fill = NAN_U8 if dtype == "uint8" else float("nan")
-            self.caches.append(paddle.full([num_blocks, block_size, 1, last], fill, dtype=dtype))
+        for spec in layer_kv_specs(self.cfg, cache_config, "float32"):
+            fill = NAN_U8 if spec.dtype == "uint8" else float("nan")
+            self.caches.append(paddle.full(spec.shape(num_blocks, block_size), fill, dtype=spec.dtype))
+        self.builder = ForwardMetaBuilder(block_size, self.model.attention_backends(), self.kernels)
         self.block_size = block_size
-        self.free = list(np.random.default_rng(seed).permutation(num_blocks))
-        self.tables: dict[str, list[int]] = {}
+        groups = list(self.cfg.kv_cache_groups)
+        self.free = {g: list(np.random.default_rng([seed, i]).permutation(num_blocks)) for i, g in enumerate(groups)}
+        self.tables: dict[str, dict[str, list[int]]] = {g: {} for g in groups}
         self.lens: dict[str, int] = {}
 
     def share_prefix(self, src: str, dst: str, n_tokens: int) -> None:
         """dst starts with src's first n_tokens already cached (whole blocks, as a prefix hit)."""
         assert n_tokens % self.block_size == 0
-        self.tables[dst] = list(self.tables[src][: n_tokens // self.block_size])
+        for tables in self.tables.values():
+            tables[dst] = list(tables[src][: n_tokens // self.block_size])
         self.lens[dst] = n_tokens
 
     def build_meta(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> ForwardMeta:
         """ForwardMeta for one step of (request, new token ids), growing each request's blocks."""
-        ids, enc, dec, tables = [], [], [], []
+        ids, enc, dec = [], [], []
+        rows: dict[str, list[list[int]]] = {g: [] for g in self.tables}
         for rid, toks in batch:
             start = self.lens.get(rid, 0)
-            table = self.tables.setdefault(rid, [])
-            while len(table) * self.block_size < start + len(toks):
-                table.append(int(self.free.pop()))
+            for g, tables in self.tables.items():
+                table = tables.setdefault(rid, [])
+                while len(table) * self.block_size < start + len(toks):
+                    table.append(int(self.free[g].pop()))
+                rows[g].append(table)
             ids += toks
             enc.append(0 if rid in decode else len(toks))
             dec.append(start)
-            tables.append(table)
             self.lens[rid] = start + len(toks)
-        builder = ForwardMetaBuilder(
-            self.block_size, self.model.attention_windows, self.kernels, self.model.num_local_heads
-        )
-        return builder.build(ids, enc, dec, {g: tables for g in self.cfg.kv_cache_groups})  # one table, both groups
+        return self.builder.build(ids, enc, dec, rows)
 
     def step(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> dict[str, np.ndarray]:
         """Run one step: each (request, new token ids); returns float64 logits [n, vocab] per request."""

@@ -24,7 +24,7 @@ import paddle
 
 from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from fastdeploy.distributed.parallel import TPGroup
-from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
+from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, plan_kv_blocks
 
 
@@ -48,8 +48,8 @@ def plan(fd: FDConfig, dtype: str, memory_bytes: float, fp8_checkpoint: bool = F
     """The figures for rank 0 (every rank holds the same amount)."""
     tp = fd.parallel_config.tensor_parallel_size
     w = weight_bytes(fd, dtype, tp, fp8_checkpoint)
-    per_block = group_bytes_per_block(fd, dtype)
     bs = fd.cache_config.block_size
+    per_block = group_bytes_per_block(layer_kv_specs(fd.model_config, fd.cache_config, dtype), bs)
     out = {
         "tensor_parallel_size": tp,
         "weights_held_bytes": w["held"],

@@ -1,10 +1,8 @@
 """Model runner: KV cache allocation, the step's ForwardMeta, the model run, sampling.
 
 On a machine without a GPU it runs on paddle's CPU place; the name stays for parity with
-FastDeploy. Caches, one per layer, sized by its KV cache group's pool (docs/design.md §4.2): SWA
-layers uint8 [swa blocks, block_size, 1, 656] (FP8 records); full layers [full blocks,
-block_size, 1, 576] in the model dtype, bf16 ("bf16") or the same FP8 record ("fp8"), as
-kv_cache_dtype says.
+FastDeploy. Caches, one per layer, sized by its KV cache group's pool (docs/design.md §4.2), each
+in the layout its attention backend declares (``kv_spec``).
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import paddle
@@ -20,10 +19,10 @@ import paddle
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMetaBuilder
+from fastdeploy.model_executor.layers.attention.base_backend import KVSpec
 from fastdeploy.model_executor.layers.sampler import SampleResult, sample
 from fastdeploy.model_executor.load_weight_utils import load_weights, parameter_bytes
-from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
-from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import RECORD_BYTES
+from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 from fastdeploy.request import Request
 
 logger = logging.getLogger("fastdeploy")
@@ -43,19 +42,11 @@ def resolve_dtype(dtype: str) -> str:
     return dtype
 
 
-def cache_spec(fd: FDConfig, layer_id: int, model_dtype: str) -> tuple[str, int]:
-    """(dtype, bytes per token entry) of one layer's cache."""
-    if fd.model_config.is_swa_layer(layer_id) or fd.cache_config.kv_cache_dtype == "fp8":
-        return "uint8", RECORD_BYTES
-    dtype = "bfloat16" if fd.cache_config.kv_cache_dtype == "bf16" else model_dtype
-    return dtype, 576 * paddle.to_tensor([], dtype=dtype).element_size()
-
-
-def group_bytes_per_block(fd: FDConfig, model_dtype: str) -> dict[str, int]:
-    """Bytes of one block over all layers of each KV cache group."""
-    bs, out = fd.cache_config.block_size, {}
-    for g, layers in fd.model_config.kv_cache_groups.items():
-        out[g] = sum(cache_spec(fd, i, model_dtype)[1] * bs for i in layers)
+def group_bytes_per_block(specs: Sequence[KVSpec], block_size: int) -> dict[str, int]:
+    """Bytes of one block over all layers of each KV cache group, from the layers' KV specs."""
+    out: dict[str, int] = {}
+    for spec in specs:
+        out[spec.group] = out.get(spec.group, 0) + spec.bytes_per_token * block_size
     return out
 
 
@@ -93,9 +84,9 @@ def plan_kv_blocks(fd: FDConfig, per_block: dict[str, int], budget: float) -> di
     return {FULL_GROUP: max(1, full), SWA_GROUP: max(1, swa)}
 
 
-def num_blocks_for(fd: FDConfig, model_dtype: str) -> dict[str, int]:
+def num_blocks_for(fd: FDConfig, specs: Sequence[KVSpec]) -> dict[str, int]:
     """Each group's pool size from the memory budget and each group's real bytes per block."""
-    return plan_kv_blocks(fd, group_bytes_per_block(fd, model_dtype), kv_budget_bytes(fd))
+    return plan_kv_blocks(fd, group_bytes_per_block(specs, fd.cache_config.block_size), kv_budget_bytes(fd))
 
 
 class GPUModelRunner:
@@ -107,7 +98,7 @@ class GPUModelRunner:
         self.tp = tp or TPGroup()
         self.dtype = resolve_dtype(dtype)
         mc = fd_config.model_config
-        self.model = DeepseekV3ForCausalLM(mc, self.dtype, fd_config.kernel_config, self.tp)
+        self.model = DeepseekV3ForCausalLM(mc, self.dtype, fd_config.kernel_config, self.tp, fd_config.cache_config)
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, mc.num_hidden_layers, self.tp.is_driver)
         self.weight_bytes = parameter_bytes(self.model)
@@ -120,29 +111,24 @@ class GPUModelRunner:
         )
         self.block_size = fd_config.cache_config.block_size
         self.meta_builder = ForwardMetaBuilder(
-            self.block_size, self.model.attention_windows, fd_config.kernel_config, self.model.num_local_heads
+            self.block_size, self.model.attention_backends(), fd_config.kernel_config
         )
         self.step_started: float | None = None
-        self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.dtype))  # the same on every rank
+        self.kv_specs = layer_kv_specs(mc, fd_config.cache_config, self.dtype)
+        self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.kv_specs))  # the same on every rank
         self.caches = self.allocate_caches(self.num_blocks)
 
     def allocate_caches(self, num_blocks: dict[str, int]) -> list[paddle.Tensor]:
-        """One cache a layer, of its group's pool size."""
-        mc, bs = self.fd.model_config, self.block_size
-        group_of = {i: g for g, layers in mc.kv_cache_groups.items() for i in layers}
-        caches = []
-        for i in range(mc.num_hidden_layers):
-            dtype, _ = cache_spec(self.fd, i, self.dtype)
-            last = RECORD_BYTES if dtype == "uint8" else 576
-            caches.append(paddle.zeros([num_blocks[group_of[i]], bs, 1, last], dtype=dtype))
-        per_block = group_bytes_per_block(self.fd, self.dtype)
-        for g, layers in mc.kv_cache_groups.items():
-            dtype = cache_spec(self.fd, layers[0], self.dtype)[0]
+        """One cache a layer, of its group's pool size, in its backend's layout."""
+        bs = self.block_size
+        caches = [paddle.zeros(s.shape(num_blocks[s.group], bs), dtype=s.dtype) for s in self.kv_specs]
+        per_block = group_bytes_per_block(self.kv_specs, bs)
+        for g, layers in self.fd.model_config.kv_cache_groups.items():
             logger.info(
                 "KV cache group %s: %d layers, %s, %d blocks of %d tokens, %d bytes a block over its layers (%.1f MiB)",
                 g,
                 len(layers),
-                dtype,
+                self.kv_specs[layers[0]].dtype,
                 num_blocks[g],
                 bs,
                 per_block[g],

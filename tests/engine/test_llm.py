@@ -6,7 +6,8 @@ import pytest
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.config import FDConfig, KernelConfig, ModelConfig
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.worker.gpu_model_runner import cache_spec, group_bytes_per_block, num_blocks_for
+from fastdeploy.model_executor.models.deepseek_v3 import layer_kv_specs
+from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, num_blocks_for
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -137,12 +138,14 @@ def test_cache_allocation_per_layer_and_budget(tiny_model_dir):
         ("fp8", "uint8", 656),
     ):
         fd = FDConfig(mc, CacheConfig(block_size=16, num_gpu_blocks_override=None, kv_cache_dtype=quant))
-        for i in range(mc.num_hidden_layers):
-            want = ("uint8", 656) if mc.is_swa_layer(i) else (full_dtype, full_bytes)
-            assert cache_spec(fd, i, "float32") == want
+        specs = layer_kv_specs(mc, fd.cache_config, "float32")
+        for i, spec in enumerate(specs):
+            last = 656 if full_dtype == "uint8" else 576
+            want = ("swa", "uint8", 656, 656) if mc.is_swa_layer(i) else ("full", full_dtype, full_bytes, last)
+            assert (spec.group, spec.dtype, spec.bytes_per_token, spec.last_dim) == want
         n_swa = len(mc.swa_layer_ids)
         per_block = {"full": 16 * full_bytes * (mc.num_hidden_layers - n_swa), "swa": 16 * 656 * n_swa}
-        assert group_bytes_per_block(fd, "float32") == per_block
+        assert group_bytes_per_block(specs, 16) == per_block
         # the SWA pool holds 64 requests' windows + chunks (ceil((32 - 1 + 2048) / 16) + 1 blocks each) and
         # the full pool the rest, unless that leaves fewer full blocks than SWA ones: then they are equal
         budget, swa = 512 * 2**20, 64 * (-(-(32 - 1 + 2048) // 16) + 1)
@@ -150,13 +153,13 @@ def test_cache_allocation_per_layer_and_budget(tiny_model_dir):
         equal = budget // (per_block["full"] + per_block["swa"])
         assert (rest < swa) == (quant == "auto")  # float32 full layers leave too little
         want = {"full": rest, "swa": swa} if rest >= swa else {"full": equal, "swa": equal}
-        assert num_blocks_for(fd, "float32") == want
+        assert num_blocks_for(fd, specs) == want
         assert sum(want[g] * per_block[g] for g in want) <= budget
         ratio = FDConfig(mc, CacheConfig(block_size=16, kv_cache_dtype=quant, swa_full_tokens_ratio=0.25))
         full = int(budget // (per_block["full"] + 0.25 * per_block["swa"]))
-        assert num_blocks_for(ratio, "float32") == {"full": full, "swa": -(-full // 4)}
+        assert num_blocks_for(ratio, specs) == {"full": full, "swa": -(-full // 4)}
         override = FDConfig(mc, CacheConfig(block_size=16, num_gpu_blocks_override=40, kv_cache_dtype=quant))
-        assert num_blocks_for(override, "float32") == {"full": 40, "swa": 40}
+        assert num_blocks_for(override, specs) == {"full": 40, "swa": 40}
         assert fd.cache_config.kv_cache_dtype == quant  # choosing SWA's format did not clear it
 
 

@@ -2,12 +2,11 @@
 cache. Every slot that no index names is NaN (0xFF bytes: NaN scale, NaN fp8, NaN rope)."""
 
 import sys
-import types
 
 import numpy as np
 import paddle
 import pytest
-import torch
+from fake_flash_mla import fake_flash_mla
 from numpy_refs import dequant_records, sparse_mla_np
 
 from fastdeploy.config import KernelConfig
@@ -93,8 +92,11 @@ def test_bf16_latent_cache(provider, T, H, topk, num_splits, rng):
     assert (err[~empty] < 2e-2).all(), err.max()
     assert (got[empty] == 0).all() and np.isinf(lse.numpy()[empty]).all()
     np.testing.assert_allclose(lse.numpy()[~empty], want_lse[~empty], rtol=0, atol=1e-2)
-    with pytest.raises(ValueError, match="except for flashmla"):
+    # FlashMLA reads a bf16 latent cache only through its dense decode or its prefill gather
+    with pytest.raises(ValueError, match="need dense_decode"):
         sm.sparse_mla_attention(q, cache, paddle.to_tensor(idx), SCALE, provider="flashmla")
+    with pytest.raises(ValueError, match="bf16 for flashmla"):
+        sm.sparse_mla_attention(q, cache.astype("float32"), paddle.to_tensor(idx), SCALE, provider="flashmla")
 
 
 def test_reference_chunks_and_empty(rng):
@@ -143,66 +145,18 @@ def test_kernel_selection_by_argument(monkeypatch, caplog):
 # ---------------------------------------------------------------- FlashMLA, faked
 
 
-def _fake_flash_mla(calls):
-    """A stand-in with FlashMLA's sparse contract (docs/design.md §4.5) that checks its inputs."""
-
-    def attend(q, kv, idx, scale):  # q [s, h, 576], kv [S, 576] float64, idx [s, topk]
-        out, lse = sparse_mla_np(q.double().numpy(), kv, idx.numpy(), scale)
-        return torch.from_numpy(out).to(torch.bfloat16), torch.from_numpy(lse).float()
-
-    def get_mla_metadata():
-        return ("sched", None)
-
-    def flash_mla_with_kvcache(
-        q,
-        k_cache,
-        block_table,
-        cache_seqlens,
-        head_dim_v,
-        tile_scheduler_metadata,
-        softmax_scale,
-        causal,
-        is_fp8_kvcache,
-        indices,
-        num_splits=None,
-    ):
-        assert q.dim() == 4 and q.shape[0] == 1 and q.shape[2] in (64, 128) and q.dtype == torch.bfloat16
-        assert k_cache.dtype == torch.uint8 and k_cache.shape[-1] == 656 and is_fp8_kvcache and not causal
-        assert indices.shape[-1] % 64 == 0 and bool(((indices >= 0) | (indices == -1)).all())
-        assert block_table is None and cache_seqlens is None and head_dim_v == 512
-        assert tile_scheduler_metadata == "sched" and num_splits is None
-        calls.append("decode")
-        kv = dequant_records(k_cache.reshape(-1, 656).numpy())
-        out, lse = attend(q[0], kv, indices[0], softmax_scale)
-        return out[None], lse.T[None].contiguous()  # lse [b, h, s_q]
-
-    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v):
-        assert q.dim() == 3 and q.shape[1] in (64, 128) and kv.dtype == torch.bfloat16 and kv.shape[1:] == (1, 576)
-        assert indices.shape[1] == 1 and indices.shape[2] % 128 == 0 and d_v == 512
-        assert bool((indices < kv.shape[0]).all())
-        calls.append("prefill")
-        out, lse = attend(q, kv[:, 0].double().numpy(), indices[:, 0], sm_scale)
-        return out, None, lse
-
-    return types.SimpleNamespace(
-        get_mla_metadata=get_mla_metadata,
-        flash_mla_with_kvcache=flash_mla_with_kvcache,
-        flash_mla_sparse_fwd=flash_mla_sparse_fwd,
-    )
-
-
 @pytest.mark.parametrize("is_prefill", [False, True])
 @pytest.mark.parametrize("H", [16, 128])
 def test_flashmla_provider_pads_and_slices(is_prefill, H, rng, monkeypatch):
     calls = []
-    monkeypatch.setitem(sys.modules, "flash_mla", _fake_flash_mla(calls))
+    monkeypatch.setitem(sys.modules, "flash_mla", fake_flash_mla(calls))
     assert select_kernels(sparse_mla_provider="flashmla").sparse_mla_provider == "flashmla"
     q, cache, idx = make_case(rng, 6, H, 72)
     idx[4, 0] = -7  # any negative becomes -1 before FlashMLA sees it
     out, lse = sm.sparse_mla_attention(
         q, cache, paddle.to_tensor(idx), SCALE, provider="flashmla", is_prefill=is_prefill
     )
-    assert calls == ["prefill" if is_prefill else "decode"]
+    assert [c[0] for c in calls] == ["prefill" if is_prefill else "decode"]
     check(q, cache, idx, out, lse)
 
 

@@ -48,6 +48,7 @@ class LayerCase:
         self.attn = self.h.model.model.layers[layer].self_attn
         self.cfg, windows = windows_of(d)
         self.W = windows[layer] or 10**9  # a full layer: no window
+        self.group = "full" if windows[layer] is None else "swa"
         assert self.attn.is_swa == (windows[layer] is not None)
         prefix = f"model.layers.{layer}.self_attn."
         self.w = {k: v.astype(np.float64) for k, v in load_np(d).items() if k.startswith(prefix)}
@@ -79,7 +80,7 @@ class LayerCase:
         pos = np.arange(L - n, L)
         ang, mult = rope_angles(pos, 64, c["rope_theta"], c["rope_scaling"])
         q_pe = rotate_pairs(q[:, :, nope:], ang, mult)
-        table = np.array(self.h.tables[rid])
+        table = np.array(self.h.tables[self.group][rid])
         allpos = np.arange(L)
         slots = table[allpos // BS] * BS + allpos % BS
         cache = self.h.caches[self.layer].numpy()

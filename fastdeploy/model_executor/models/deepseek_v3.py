@@ -2,10 +2,13 @@
 
 The model does the projections and the layer wiring; each attention layer hands its query parts,
 its new latent and W_UK / W_UV to one backend, chosen once at construction, which writes the
-cache and attends in MHA or absorbed form per the step's groups: a layer is SWA when
-``config.is_swa_layer(layer_id)`` (``window_attn_skip_freq[layer_id] == 1``) and then gets a
-DSAAttentionBackend (FP8 record cache, the step's window indices, sparse MLA); full layers get
-an MLAAttentionBackend (latent cache in the model dtype, bf16 or FP8 records).
+cache and attends in MHA or absorbed form per its kind's step plan: a layer is SWA when
+``config.is_swa_layer(layer_id)`` (``window_attn_skip_freq[layer_id] == 1``), takes the
+``forward_swa_static`` branch and has a DSAAttentionBackend (FP8 record cache, the window slots
+of ``get_swa_indexer_top_k``, sparse MLA); full layers have an MLAAttentionBackend (latent cache
+in the model dtype, bf16 or FP8 records). The seed PR's names are this path:
+``get_swa_indexer_top_k`` (exported here), ``DeepseekV3MLAAttention.forward_swa_static`` and
+``DSAAttentionBackend.forward_static``.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import re
 import paddle
 from paddle import nn
 
-from fastdeploy.config import KernelConfig, ModelConfig
+from fastdeploy.config import CacheConfig, KernelConfig, ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.attention.base_backend import KVSpec, MLABackendBase
 from fastdeploy.model_executor.layers.attention.dsa_attention_backend import DSAAttentionBackend
 from fastdeploy.model_executor.layers.attention.mla_attention_backend import MLAAttentionBackend
 from fastdeploy.model_executor.layers.embeddings import ParallelLMHead, VocabParallelEmbedding
@@ -30,6 +34,9 @@ from fastdeploy.model_executor.layers.linear import (
 from fastdeploy.model_executor.layers.moe import MLP, DeepseekV3MoE
 from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.rotary_embedding import DeepseekRotaryEmbedding, deepseek_softmax_scale
+from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer_top_k
+
+__all__ = ["DeepseekV3ForCausalLM", "DeepseekV3MLAAttention", "get_swa_indexer_top_k", "layer_kv_specs"]
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)\.weight(_scale_inv)?$")
 
@@ -39,8 +46,31 @@ def fp8_linears(cfg: ModelConfig, kernels: KernelConfig) -> FP8Linear | None:
     return FP8Linear(triton=kernels.triton) if cfg.quantization == "fp8" else None
 
 
+def attention_backend(
+    cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, num_heads: int, kv_cache_dtype: str
+) -> MLABackendBase:
+    """The backend layer ``layer_id`` attends with: DSAAttentionBackend for an SWA layer, else
+    MLAAttentionBackend; ``num_heads`` this rank's heads."""
+    scale = deepseek_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
+    if cfg.is_swa_layer(layer_id):
+        return DSAAttentionBackend(scale, cfg.sliding_window, kernels, num_heads, dtype)
+    return MLAAttentionBackend(scale, kernels, num_heads, dtype, kv_cache_dtype)
+
+
+def layer_kv_specs(cfg: ModelConfig, cache_config: CacheConfig, dtype: str) -> list[KVSpec]:
+    """Each layer's KV cache layout as its backend declares it (``dtype`` the model's), without
+    building the model: what the runner allocates, ``tools/plan`` counts and tests poison."""
+    kv = cache_config.kv_cache_dtype
+    return [
+        attention_backend(cfg, i, dtype, KernelConfig(), cfg.num_attention_heads, kv).kv_spec(cache_config)
+        for i in range(cfg.num_hidden_layers)
+    ]
+
+
 class DeepseekV3MLAAttention(nn.Layer):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, tp: TPGroup) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, tp: TPGroup, kv_cache_dtype: str
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         lo, hi = tp.shard(cfg.num_attention_heads, "num_attention_heads")
@@ -69,11 +99,7 @@ class DeepseekV3MLAAttention(nn.Layer):
         self.is_swa = cfg.is_swa_layer(layer_id)
         theta = cfg.swa_rope_theta if self.is_swa and cfg.swa_rope_theta else cfg.rope_theta
         self.rotary_emb = DeepseekRotaryEmbedding(self.rope, theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.softmax_scale = deepseek_softmax_scale(qk, cfg.rope_scaling)
-        if self.is_swa:
-            self.attn_backend = DSAAttentionBackend(self.softmax_scale, cfg.sliding_window, kernels)
-        else:
-            self.attn_backend = MLAAttentionBackend(self.softmax_scale, kernels)
+        self.attn_backend = attention_backend(cfg, layer_id, dtype, kernels, self.num_heads, kv_cache_dtype)
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj into W_UK [H, nope, 512] and W_UV [H, v, 512], float32, once: the loader
@@ -95,21 +121,38 @@ class DeepseekV3MLAAttention(nn.Layer):
         q_pe, k_pe = self.rotary_emb(meta.positions, q[:, :, self.nope :], kv_a[:, self.kv_lora_rank :])
         if self.w_uk is None:  # a model whose weights were not set by load_weights
             self.process_weights_after_loading()
-        out = self.attn_backend.forward(q[:, :, : self.nope], q_pe, kv_c, k_pe, cache, meta, self.w_uk, self.w_uv)
+        q_nope = q[:, :, : self.nope]
+        if self.is_swa:
+            out = self.forward_swa_static(q_nope, q_pe, kv_c, k_pe, cache, meta)
+        else:
+            out = self.attn_backend.forward(q_nope, q_pe, kv_c, k_pe, cache, meta, self.w_uk, self.w_uv)
         return self.o_proj(out.reshape([T, self.num_heads * self.v_dim]).astype(hidden.dtype))
 
-    @property
-    def sliding_window(self) -> int | None:
-        """The window of an SWA layer's backend; None for a full layer."""
-        return self.attn_backend.sliding_window if self.is_swa else None
+    def forward_swa_static(
+        self,
+        q_nope: paddle.Tensor,
+        q_pe: paddle.Tensor,
+        kv_c: paddle.Tensor,
+        k_pe: paddle.Tensor,
+        cache: paddle.Tensor,
+        meta: ForwardMeta,
+    ) -> paddle.Tensor:
+        """The seed PR's SWA branch (``window_attn_skip_freq[layer_id] == 1``): the DSA backend
+        writes the step's FP8 records, then attends over the window its step plan indexed with
+        ``get_swa_indexer_top_k``: absorbed through ``DSAAttentionBackend.forward_static``, or in
+        MHA form for the prefills the plan put there. q_nope [T, H, nope], q_pe [T, H, 64], kv_c
+        [T, 512], k_pe [T, 64] -> float32 [T, H, v_head_dim]."""
+        return self.attn_backend.forward(q_nope, q_pe, kv_c, k_pe, cache, meta, self.w_uk, self.w_uv)
 
 
 class DeepseekV3DecoderLayer(nn.Layer):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, tp: TPGroup) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, tp: TPGroup, kv_cache_dtype: str
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = DeepseekV3MLAAttention(cfg, layer_id, dtype, kernels, tp)
+        self.self_attn = DeepseekV3MLAAttention(cfg, layer_id, dtype, kernels, tp, kv_cache_dtype)
         moe = cfg.n_routed_experts and layer_id >= cfg.first_k_dense_replace and layer_id % cfg.moe_layer_freq == 0
         fp8 = fp8_linears(cfg, kernels)
         if moe:
@@ -123,11 +166,11 @@ class DeepseekV3DecoderLayer(nn.Layer):
 
 
 class DeepseekV3Model(nn.Layer):
-    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig, tp: TPGroup, kv_cache_dtype: str) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.LayerList(
-            [DeepseekV3DecoderLayer(cfg, i, dtype, kernels, tp) for i in range(cfg.num_hidden_layers)]
+            [DeepseekV3DecoderLayer(cfg, i, dtype, kernels, tp, kv_cache_dtype) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -141,18 +184,23 @@ class DeepseekV3Model(nn.Layer):
 class DeepseekV3ForCausalLM(nn.Layer):
     """Hidden states for every token; ``compute_logits`` for the tokens that sample. ``kernels``
     (chosen once at start-up) says which implementations the attention backends run; ``tp`` is
-    this rank's tensor-parallel group (one rank by default)."""
+    this rank's tensor-parallel group (one rank by default); ``cache_config`` gives the full
+    layers' cache format (its ``kv_cache_dtype``)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig, tp: TPGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: str,
+        kernels: KernelConfig,
+        tp: TPGroup | None = None,
+        cache_config: CacheConfig | None = None,
+    ) -> None:
         super().__init__()
         tp = tp or TPGroup()
         self.config, self.tp = cfg, tp
-        self.model = DeepseekV3Model(cfg, dtype, kernels, tp)
+        kv_cache_dtype = (cache_config or CacheConfig()).kv_cache_dtype
+        self.model = DeepseekV3Model(cfg, dtype, kernels, tp, kv_cache_dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-
-    def owns_checkpoint_tensor(self, name: str) -> bool:
-        """False for the routed experts another rank holds."""
-        return self.checkpoint_target(name) is not None
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         """Where checkpoint tensor ``name`` loads: (parameter name, None) for a tensor of its own
@@ -167,21 +215,13 @@ class DeepseekV3ForCausalLM(nn.Layer):
         t = self.model.layers[layer].mlp.checkpoint_target(int(m.group(2)), m.group(3), m.group(4) or "")
         return None if t is None else (f"model.layers.{layer}.mlp.{t[0]}", t[1])
 
-    @property
-    def sliding_windows(self) -> list[int]:
-        """The distinct windows of the SWA layers (the step builder makes indices for each)."""
-        return [w for w in self.attention_windows if w > 0]
-
-    @property
-    def attention_windows(self) -> list[int]:
-        """The distinct windows of the attention layers, 0 for full layers (the step builder
-        plans each one's token groups)."""
-        return sorted({layer.self_attn.attn_backend.window for layer in self.model.layers})
-
-    @property
-    def num_local_heads(self) -> int:
-        """Attention heads on this rank."""
-        return self.model.layers[0].self_attn.num_heads
+    def attention_backends(self) -> list[MLABackendBase]:
+        """One backend of each attention kind the model has (full, or SWA of a window), in layer
+        order: the step builder asks each for its kind's plan."""
+        kinds: dict[str, MLABackendBase] = {}
+        for layer in self.model.layers:
+            kinds.setdefault(layer.self_attn.attn_backend.kind, layer.self_attn.attn_backend)
+        return list(kinds.values())
 
     def forward(self, meta: ForwardMeta, caches: list[paddle.Tensor]) -> paddle.Tensor:
         with paddle.no_grad():

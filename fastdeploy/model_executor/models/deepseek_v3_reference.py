@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32
+from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, e4m3_encode
 from fastdeploy.model_executor.safetensors_io import SafeTensorsFile
 
 
@@ -120,19 +120,9 @@ def mlp(x, w, p, act_fp8=False):
     return proj(silu(gate) * up, w, p + "down_proj.weight", act_fp8)
 
 
-_E4M3_GRID = np.array(
-    [(f / 8.0) * 2.0**-6 for f in range(8)] + [(1 + f / 8.0) * 2.0 ** (e - 7) for e in range(1, 16) for f in range(8)]
-)[:127]  # the 127 non-negative finite e4m3fn values, ascending
-
-
 def e4m3_round(y: np.ndarray) -> np.ndarray:
-    """The nearest e4m3fn value to y (|y| <= 448), ties to the even code."""
-    a = np.abs(y)
-    hi = np.clip(np.searchsorted(_E4M3_GRID, a), 0, 126)
-    lo = np.clip(hi - 1, 0, 126)
-    d_lo, d_hi = a - _E4M3_GRID[lo], _E4M3_GRID[hi] - a
-    pick = np.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
-    return np.sign(y) * _E4M3_GRID[pick]
+    """The nearest e4m3fn value to y (|y| <= 448), ties to the even code (``fp8_numerics``)."""
+    return E4M3_TO_F32[e4m3_encode(y)].astype(np.float64)
 
 
 def fp8_record_roundtrip(kv_c: np.ndarray, k_pe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

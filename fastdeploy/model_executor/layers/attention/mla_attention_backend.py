@@ -1,40 +1,76 @@
 """MLAAttentionBackend: full (causal) MLA attention over a paged latent cache.
 
-Cache per layer: [num_blocks, block_size, 1, 576] in the model dtype or bf16 (512 latent, then
-64 rope), or the 656-byte FP8 record (uint8 [..., 656]) when kv_cache_dtype is "fp8".
-``forward`` (MLABackendBase) runs prefill requests in MHA form (window 0: the whole context) or
-absorbed; absorbed groups run the sparse MLA Triton kernel over the group's whole-context
-indices (the kernel reads both cache formats), or with the flashmla provider and a bf16 cache,
-decodes through FlashMLA's dense kernel; on the CPU reference path, one batched attention per
-request.
+- ``kv_spec``: group "full"; 576 latent values (512 kv_c, then 64 rope) in the model dtype
+  (``kv_cache_dtype`` auto) or bf16, or the 656-byte FP8 record (uint8) with "fp8".
+- ``plan_step``: the token groups (prefill requests in MHA form over the whole context, the rest
+  absorbed); an absorbed group's whole-context slots (the window indexer with a window as long as
+  the group's longest context), or, for FlashMLA's decodes over a bf16 cache, the group's
+  block-table rows and cache lengths for its dense decode, with one dense schedule a step.
+- ``forward`` (MLABackendBase): absorbed groups go through the same provider switch as SWA
+  layers (``sparse_mla_attention``).
 """
 
 from __future__ import annotations
 
 import paddle
 
-from fastdeploy.config import FULL_GROUP, KernelConfig
-from fastdeploy.model_executor.forward_meta import ForwardMeta, TokenGroup
-from fastdeploy.model_executor.layers.attention.base_backend import MLABackendBase
-from fastdeploy.model_executor.layers.attention.sparse_mla_providers import flashmla_dense_decode
-from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import (
-    RECORD_BYTES,
-    dequant_mla_fp8_cache,
-    dequant_mla_fp8_cache_ref,
-    write_mla_fp8_cache,
-    write_mla_fp8_cache_ref,
+from fastdeploy.config import FULL_GROUP, CacheConfig, KernelConfig
+from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.attention.base_backend import KVSpec, MLABackendBase
+from fastdeploy.model_executor.layers.attention.sparse_mla_providers import (
+    flashmla_schedule,
+    sparse_mla_attention,
+    step_topk_multiple,
 )
-from fastdeploy.model_executor.ops.triton_ops.sparse_mla import sparse_mla_triton
+from fastdeploy.model_executor.layers.attention.step_plan import (
+    DenseDecode,
+    StepPlan,
+    TokenGroup,
+    plan_groups,
+    round_up,
+    window_indices,
+)
 
 
 class MLAAttentionBackend(MLABackendBase):
-    """Causal attention of each request's tokens over its cached context, from ForwardMeta."""
+    """Causal attention of each request's tokens over its cached context; ``kv_cache_dtype`` is
+    the full layers' cache setting (CacheConfig.kv_cache_dtype)."""
 
-    def __init__(self, softmax_scale: float, kernels: KernelConfig) -> None:
-        super().__init__(softmax_scale, kernels)
-        self.write_records = write_mla_fp8_cache if kernels.triton else write_mla_fp8_cache_ref
-        self.dequant_records = dequant_mla_fp8_cache if kernels.triton else dequant_mla_fp8_cache_ref
-        self.absorbed_on_reference = not kernels.triton
+    def __init__(
+        self, softmax_scale: float, kernels: KernelConfig, num_heads: int, model_dtype: str, kv_cache_dtype: str
+    ) -> None:
+        super().__init__(softmax_scale, kernels, num_heads, model_dtype)
+        self.cache_spec = self.kv_spec(CacheConfig(kv_cache_dtype=kv_cache_dtype))
+
+    @property
+    def kind(self) -> str:
+        return FULL_GROUP
+
+    def kv_spec(self, cache_config: CacheConfig) -> KVSpec:
+        if cache_config.kv_cache_dtype == "fp8":
+            return KVSpec.records(FULL_GROUP)
+        return KVSpec.latent(FULL_GROUP, "bfloat16" if cache_config.kv_cache_dtype == "bf16" else self.model_dtype)
+
+    def plan_step(self, meta: ForwardMeta) -> StepPlan:
+        provider = self.kernels.sparse_mla_provider
+        groups = plan_groups(meta, 0, FULL_GROUP, self.kernels, self.num_heads)
+        dense = provider == "flashmla" and self.cache_spec.dtype == "bfloat16"
+        plan = StepPlan(groups, provider)
+        for g in groups:
+            if g.form == "mha":
+                continue
+            if dense and g.form == "decode":
+                rows = meta.host_block_tables[FULL_GROUP][g.requests]
+                lens = meta.seq_lens_decoder[g.requests] + 1
+                g.dense_decode = DenseDecode(paddle.to_tensor(rows), paddle.to_tensor(lens.astype("int32")))
+            else:
+                longest = int((meta.seq_lens_decoder[g.requests] + meta.seq_lens_this_time[g.requests]).max())
+                topk = round_up(longest, step_topk_multiple(provider))
+                reqs = None if g.tokens is None else g.requests
+                g.indices = window_indices(meta, FULL_GROUP, reqs, longest, topk, self.kernels.triton)
+        if provider == "flashmla" and any(g.form == "decode" for g in groups):
+            plan.schedule = flashmla_schedule()
+        return plan
 
     def write_cache(self, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> None:
         """Store each token's [kv_c | k_pe] at its slot (slot -1 skips), in the cache's format."""
@@ -46,37 +82,17 @@ class MLAAttentionBackend(MLABackendBase):
         rows = paddle.concat([kv_c, k_pe], axis=-1)[keep].astype(cache.dtype)
         cache.reshape([-1, cache.shape[-1]])[slots.astype("int64")[keep]] = rows
 
-    def read_cache(self, cache: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
-        flat = cache.reshape([-1, cache.shape[-1]])[slots]
-        if cache.dtype == paddle.uint8:
-            return self.dequant_records(flat.reshape([-1, RECORD_BYTES])).astype("float32")
-        return flat.astype("float32")
-
-    def absorbed(self, q: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta, group: TokenGroup) -> paddle.Tensor:
-        if group.dense_decode is not None and cache.dtype == paddle.bfloat16:  # FlashMLA's dense decode
-            d = group.dense_decode
-            return flashmla_dense_decode(
-                q, cache, d.block_table, d.cache_seqlens, self.softmax_scale, meta.flashmla_dense_schedule
-            )
-        if group.full_indices is not None:  # the kernel path
-            return sparse_mla_triton(q, cache, group.full_indices, self.softmax_scale)[0].astype("float32")
-        T, H = q.shape[0], q.shape[1]
-        out = paddle.zeros([T, H, 512], "float32")
-        bs, tables = meta.block_size, meta.block_tables[FULL_GROUP]
-        row = 0
-        for b in group.requests:  # one batched attention per request, in the group's token order
-            n = int(meta.seq_lens_this_time[b])
-            ctx = int(meta.seq_lens_decoder[b]) + n
-            pos = paddle.arange(ctx, dtype="int64")
-            slots = tables[int(b)].astype("int64")[pos // bs] * bs + pos % bs
-            kv = self.read_cache(cache, slots)  # [ctx, 576]
-            qb = q[row : row + n].astype("float32")  # [n, H, 576]
-            logits = paddle.matmul(qb.reshape([n * H, 576]), kv, transpose_y=True).reshape([n, H, ctx])
-            qpos = paddle.arange(ctx - n, ctx, dtype="int64").reshape([n, 1, 1])
-            logits = paddle.where(
-                pos.reshape([1, 1, ctx]) <= qpos, logits * self.softmax_scale, paddle.full_like(logits, float("-inf"))
-            )
-            p = paddle.nn.functional.softmax(logits, axis=-1)
-            out[row : row + n] = paddle.matmul(p.reshape([n * H, ctx]), kv[:, :512]).reshape([n, H, 512])
-            row += n
-        return out
+    def absorbed(
+        self, q: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta, plan: StepPlan, group: TokenGroup
+    ) -> paddle.Tensor:
+        out, _ = sparse_mla_attention(
+            q,
+            cache,
+            group.indices,
+            self.softmax_scale,
+            plan.provider,
+            group.is_prefill,
+            plan.schedule,
+            group.dense_decode,
+        )
+        return out.astype("float32")

@@ -1,10 +1,12 @@
-"""``sparse_mla_attention``: one interface, three providers (docs/design.md §4.5).
+"""``sparse_mla_attention``: one interface, three providers, for SWA and full layers alike
+(docs/design.md §4.5).
 
-- ``flashmla``: FlashMLA's sparse kernels (sm_90), when ``flash_mla`` imports and paddle has
-  CUDA. Decode: ``flash_mla_with_kvcache`` on the FP8 cache with ``indices`` (the whole batch as
-  one request, b = 1, s_q = T). Prefill: ``flash_mla_sparse_fwd`` over a bf16 gather of the
-  slots the indices name. Heads are zero-padded to 64 or 128 and sliced back; index rows are
-  padded with -1 to FlashMLA's topk multiple (64 decode, 128 prefill).
+- ``flashmla``: FlashMLA's kernels (sm_90), when ``flash_mla`` imports and paddle has CUDA.
+  Decode: ``flash_mla_with_kvcache`` on the FP8 cache with ``indices`` (the whole batch as one
+  request, b = 1, s_q = T), or, over a full layer's bf16 latent cache, its dense decode on the
+  paged cache. Prefill: ``flash_mla_sparse_fwd`` over a bf16 gather of the slots the indices
+  name. Heads are zero-padded to 64 or 128 and sliced back; index rows are padded with -1 to
+  FlashMLA's topk multiple (64 decode, 128 prefill).
 - ``triton``: the project's kernel (``ops/triton_ops/sparse_mla.py`` and ``sparse_mla_kernel.py``).
 - ``reference``: paddle ops over the de-quantized cache (``ops/triton_ops/sparse_mla.py``).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import paddle
 
 from fastdeploy.config import SPARSE_MLA_PROVIDERS
+from fastdeploy.model_executor.layers.attention.step_plan import DenseDecode
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import RECORD_BYTES, dequant_mla_fp8_cache
 from fastdeploy.model_executor.ops.triton_ops.sparse_mla import sparse_mla_reference, sparse_mla_triton
 
@@ -32,42 +35,52 @@ def step_topk_multiple(provider: str) -> int:
     return max(topk_multiple(provider, False), topk_multiple(provider, True))
 
 
-def _check(q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor, provider: str) -> None:
+def _check(q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor | None, provider: str) -> None:
     if q.ndim != 3 or q.shape[-1] != 576:
         raise ValueError(f"sparse_mla_attention: q must be [T, H, 576], got {list(q.shape)}")
     records = kv_cache.dtype == paddle.uint8 and kv_cache.shape[-1] == RECORD_BYTES
-    latent = kv_cache.dtype != paddle.uint8 and kv_cache.shape[-1] == 576 and provider != "flashmla"
-    if not (records or latent):
+    latent = kv_cache.dtype != paddle.uint8 and kv_cache.shape[-1] == 576
+    if not (records or latent) or (latent and provider == "flashmla" and kv_cache.dtype != paddle.bfloat16):
         raise ValueError(
-            "sparse_mla_attention: kv_cache must be uint8 [..., 656] (or, except for flashmla, a full layer's "
-            f"[..., 576] latent cache), got {kv_cache.dtype} {kv_cache.shape}"
+            "sparse_mla_attention: kv_cache must be uint8 [..., 656] or a full layer's [..., 576] latent cache "
+            f"(bf16 for flashmla), got {kv_cache.dtype} {kv_cache.shape}"
         )
-    if indices.ndim != 2 or indices.shape[0] != q.shape[0]:
+    if indices is not None and (indices.ndim != 2 or indices.shape[0] != q.shape[0]):
         raise ValueError(f"sparse_mla_attention: indices must be [T={q.shape[0]}, topk], got {list(indices.shape)}")
 
 
 def sparse_mla_attention(
     q: paddle.Tensor,
     kv_cache: paddle.Tensor,
-    indices: paddle.Tensor,
+    indices: paddle.Tensor | None,
     softmax_scale: float,
     provider: str,
     is_prefill: bool = False,
     schedule: object | None = None,
+    dense_decode: DenseDecode | None = None,
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """q bf16 [T, H, 576], kv_cache uint8 [num_blocks, block_size, 1, 656], indices int32
-    [T, topk] (-1 = none) -> (out bf16 [T, H, 512], lse float32 [T, H], natural log).
+    """q bf16 [T, H, 576], kv_cache uint8 [num_blocks, block_size, 1, 656] (SWA layers, or full
+    layers with an FP8 cache) or a full layer's [num_blocks, block_size, 1, 576] latent cache,
+    indices int32 [T, topk] (-1 = none) -> (out bf16 [T, H, 512], lse float32 [T, H], natural log).
 
     A float32 q (the CPU model) is accepted too and gives a float32 out: no bf16 rounding on a
     path that does not need it. FlashMLA always computes in bf16.
 
     ``is_prefill`` picks FlashMLA's prefill kernel and ``schedule`` is its decode schedule for
-    the step (the step builder makes it once; None makes one here); the other providers ignore both."""
+    the step (the step plan makes it once; None makes one here); with a bf16 latent cache,
+    FlashMLA decodes run its dense kernel over ``dense_decode`` (block-table rows and cache
+    lengths) and need no indices. The other providers ignore all three."""
     if provider not in SPARSE_MLA_PROVIDERS:
         raise ValueError(f"sparse_mla_attention: unknown provider {provider!r}; one of {SPARSE_MLA_PROVIDERS}")
     _check(q, kv_cache, indices, provider)
     if provider == "flashmla":
+        if kv_cache.dtype == paddle.bfloat16 and not is_prefill:
+            if dense_decode is None:
+                raise ValueError("sparse_mla_attention: FlashMLA decodes over a bf16 latent cache need dense_decode")
+            return flashmla_dense_decode(q, kv_cache, dense_decode, softmax_scale, schedule)
         return _flashmla(q, kv_cache, indices, softmax_scale, is_prefill, schedule)
+    if indices is None:
+        raise ValueError(f"sparse_mla_attention: provider {provider!r} needs indices")
     if provider == "triton":
         return sparse_mla_triton(q, kv_cache, indices, softmax_scale)
     return sparse_mla_reference(q, kv_cache, indices, softmax_scale)
@@ -140,11 +153,12 @@ def _flashmla(
     idx = paddle.where(idx >= 0, idx, paddle.full_like(idx, -1))  # -1 is the only safe invalid index
     idx = _pad_last(idx, topk_multiple("flashmla", is_prefill), -1)
     if is_prefill:
-        # gather the named slots once, de-quantize to bf16, and renumber the indices into the gather
+        # gather the named slots once (FP8 records de-quantized to bf16), renumber the indices into the gather
         flat = idx.flatten()
         valid = flat >= 0
         uniq, inverse = paddle.unique(paddle.where(valid, flat, paddle.zeros_like(flat)), return_inverse=True)
-        kv = dequant_mla_fp8_cache(kv_cache.reshape([-1, RECORD_BYTES])[uniq]).reshape([-1, 1, 576])
+        rows = kv_cache.reshape([-1, kv_cache.shape[-1]])[uniq]
+        kv = (dequant_mla_fp8_cache(rows) if kv_cache.dtype == paddle.uint8 else rows).reshape([-1, 1, 576])
         local = paddle.where(valid, inverse.astype("int32"), paddle.full_like(flat, -1)).reshape(idx.shape)
         out, _max_logits, lse = flash_mla.flash_mla_sparse_fwd(
             _torch(qp), _torch(kv), _torch(local.unsqueeze(1)), softmax_scale, d_v=512
@@ -173,28 +187,29 @@ def _flashmla(
 def flashmla_dense_decode(
     q: paddle.Tensor,
     cache: paddle.Tensor,
-    block_table: paddle.Tensor,
-    cache_seqlens: paddle.Tensor,
+    dense: DenseDecode,
     softmax_scale: float,
     schedule: object | None,
-) -> paddle.Tensor:
+) -> tuple[paddle.Tensor, paddle.Tensor]:
     """FlashMLA's dense decode for full layers: q [n, H, 576] (one token a request), a bf16 cache
-    [num_blocks, block_size, 1, 576], block_table int32 [n, max_blocks], cache_seqlens int32 [n]
-    -> latent float32 [n, H, 512]. Heads are zero-padded to 64 / 128 as for the sparse kernels."""
+    [num_blocks, block_size, 1, 576], the decodes' block-table rows int32 [n, max_blocks] and cache
+    lengths int32 [n] -> (out [n, H, 512] in q's dtype, lse float32 [n, H]). Heads are zero-padded
+    to 64 / 128 as for the sparse kernels."""
     import flash_mla
 
     H = q.shape[1]
     qp = _padded_bf16_q(q)
     sched, extra = _schedule_args(schedule)
-    out, _lse = flash_mla.flash_mla_with_kvcache(
+    out, lse = flash_mla.flash_mla_with_kvcache(
         _torch(qp.unsqueeze(1)),
         _torch(cache),
-        _torch(block_table.astype("int32")),
-        _torch(cache_seqlens.astype("int32")),
+        _torch(dense.block_table.astype("int32")),
+        _torch(dense.cache_seqlens.astype("int32")),
         head_dim_v=512,
         tile_scheduler_metadata=sched,
         softmax_scale=softmax_scale,
         causal=True,
         **extra,
     )
-    return _paddle(out)[:, 0, :H].astype("float32")
+    lse = _paddle(lse).reshape([q.shape[0], -1])[:, :H]
+    return _paddle(out)[:, 0, :H].astype(q.dtype), lse.astype("float32")

@@ -54,9 +54,12 @@ def sparse_mla_triton(
 
 
 def sparse_mla_reference(
-    q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor, softmax_scale: float, chunk: int = 128
+    q: paddle.Tensor, kv_cache: paddle.Tensor, indices: paddle.Tensor, softmax_scale: float, chunk: int | None = None
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """Paddle reference in float32, ``chunk`` tokens at a time to bound the gathered memory."""
+    """Paddle reference in float32, ``chunk`` tokens at a time to bound the gathered memory (by
+    default at most 128 tokens and 2^17 gathered slots, 288 MiB of float32 rows: a full layer's
+    whole-context rows are long)."""
+    chunk = chunk or max(1, min(128, 2**17 // max(1, indices.shape[1])))
     records = kv_cache.reshape([-1, kv_cache.shape[-1]])
     read = dequant_mla_fp8_cache_ref if kv_cache.dtype == paddle.uint8 else (lambda rows: rows)
     outs, lses = [], []

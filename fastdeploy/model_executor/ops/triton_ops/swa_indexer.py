@@ -8,9 +8,13 @@ id is negative).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import numpy as np
 import paddle
 import triton
 
+from fastdeploy.config import SWA_GROUP, CacheConfig
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer_kernel import launch_swa_indexer
 
 
@@ -71,7 +75,7 @@ def swa_indexer_ref(
     return paddle.where(valid & (blk >= 0), slot, paddle.full_like(slot, -1)).astype("int32")
 
 
-def get_swa_indexer_top_k(
+def swa_window_indices(
     positions: paddle.Tensor,
     batch_id_per_token: paddle.Tensor,
     block_tables: paddle.Tensor,
@@ -85,3 +89,52 @@ def get_swa_indexer_top_k(
     (docs/design.md §4.3). The Triton kernel when ``triton``, else the paddle reference."""
     impl = swa_indexer_triton if triton else swa_indexer_ref
     return impl(positions, batch_id_per_token, block_tables, block_size, sliding_window, topk)
+
+
+def _int_tensor(x) -> paddle.Tensor:
+    return x if isinstance(x, paddle.Tensor) else paddle.to_tensor(np.asarray(x, np.int64))
+
+
+def get_swa_indexer_top_k(
+    indexer_top_k: paddle.Tensor,
+    block_tables: paddle.Tensor | Mapping[str, paddle.Tensor],
+    cu_seqlens_q,
+    seq_lens_encoder,
+    seq_lens_decoder,
+    batch_id_per_token,
+    *,
+    block_size: int = CacheConfig.block_size,
+    sliding_window: int | None = None,
+    triton: bool | None = None,
+) -> paddle.Tensor:
+    """The seed PR's window indexer (``models/deepseek_v3.py`` exports it by that name; the SWA
+    backend's step plan calls it): fills ``indexer_top_k`` int32 [T, 1, K] in place with each
+    token's window slots, ascending, then -1, and returns it.
+
+    Token t belongs to request b = batch_id_per_token[t] (b < 0: a padding token, all -1) and sits
+    at position seq_lens_decoder[b] + t - cu_seqlens_q[b]. block_tables int32 [B, max_blocks] (or
+    ForwardMeta's tables by KV cache group, of which the "swa" one is read); cu_seqlens_q [B + 1],
+    seq_lens_encoder / seq_lens_decoder [B], batch_id_per_token [T], as paddle tensors or host
+    arrays; seq_lens_encoder is taken for the PR's signature (positions need only the decoder
+    lengths). ``sliding_window`` defaults to K (W <= K: the row ends in -1s; W > K is an error);
+    ``triton`` None runs the kernel on a CUDA build of paddle, the paddle reference otherwise."""
+    del seq_lens_encoder
+    if indexer_top_k.ndim != 3 or indexer_top_k.shape[1] != 1 or indexer_top_k.dtype != paddle.int32:
+        raise ValueError(
+            f"get_swa_indexer_top_k: indexer_top_k must be int32 [T, 1, K], got {indexer_top_k.dtype} "
+            f"{list(indexer_top_k.shape)}"
+        )
+    T, K = indexer_top_k.shape[0], indexer_top_k.shape[2]
+    W = K if sliding_window is None else sliding_window
+    table = block_tables[SWA_GROUP] if isinstance(block_tables, Mapping) else block_tables
+    bid = _int_tensor(batch_id_per_token)
+    if bid.shape[0] != T:
+        raise ValueError(f"get_swa_indexer_top_k: {bid.shape[0]} batch ids for {T} tokens")
+    b = bid.clip(min=0)
+    t = paddle.arange(T, dtype="int64")
+    pos = _int_tensor(seq_lens_decoder).astype("int64")[b] + t - _int_tensor(cu_seqlens_q).astype("int64")[b]
+    pos = paddle.where(bid >= 0, pos, paddle.full_like(pos, -1))
+    use_triton = paddle.is_compiled_with_cuda() if triton is None else triton
+    out = swa_window_indices(pos, bid, _int_tensor(table), block_size, W, K, triton=use_triton)
+    paddle.assign(out.reshape([T, 1, K]), output=indexer_top_k)
+    return indexer_top_k

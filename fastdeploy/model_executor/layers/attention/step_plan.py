@@ -1,0 +1,150 @@
+"""One attention kind's plan of a step (docs/design.md §3): which tokens attend together, in
+which form, over which cache slots.
+
+Each backend builds its kind's ``StepPlan`` once a step (``plan_step``) from the common step data
+in ForwardMeta; every layer of that kind reads it from ``meta.attn[kind]``. ``plan_groups`` is the
+token grouping both kinds share: prefill requests in MHA form together, the rest absorbed
+(decodes apart from prefills for FlashMLA, which has one kernel for each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+from fastdeploy.config import KernelConfig
+from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.attention.prefill_form import choose_prefill_form
+from fastdeploy.model_executor.ops.triton_ops.mla_prefill import PrefillBatch
+from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer_top_k
+
+
+@dataclass
+class MHAKeys:
+    """The keys in view of a group of prefill requests in MHA form (docs/design.md §4.7), in the
+    layer kind's cache: ``slots`` int64 [S], each request's keys ascending from ``k_start[b]``
+    (the window's first position, or 0), its chunk's own tokens last; ``batch`` their varlen
+    layout (host arrays and their device copies)."""
+
+    slots: paddle.Tensor
+    batch: PrefillBatch
+
+
+@dataclass
+class DenseDecode:
+    """A full layer's decodes for FlashMLA's dense kernel: block_table int32 [n, max_blocks] (the
+    full group's rows of the group's requests) and cache_seqlens int32 [n] (tokens cached after
+    this step's write)."""
+
+    block_table: paddle.Tensor
+    cache_seqlens: paddle.Tensor
+
+
+@dataclass
+class TokenGroup:
+    """Tokens of whole requests that attend in one call. ``tokens`` int64 [n] into the step's
+    tokens (None: the whole step); ``requests`` the host request ids; ``form``: "mha" (prefill in
+    MHA form, with ``mha`` its keys), "prefill" or "decode" (absorbed, FlashMLA's two kernels), or
+    "absorbed" (both, for the providers that take them in one call). An absorbed group of a full
+    layer has ``indices`` int32 [n, topk], its whole-context slots, or, for FlashMLA's dense
+    decode, ``dense_decode``; an SWA layer's absorbed rows are in ``StepPlan.indices``."""
+
+    tokens: paddle.Tensor | None
+    requests: np.ndarray
+    form: str
+    mha: MHAKeys | None = None
+    indices: paddle.Tensor | None = None
+    dense_decode: DenseDecode | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.form != "decode"
+
+
+@dataclass
+class StepPlan:
+    """One attention kind's step: its token groups, the sparse MLA ``provider`` they were made
+    for, an SWA kind's window ``indices`` int32 [T, topk] (topk = W rounded up to the provider's
+    multiple; None when no token attends absorbed, and for full layers), and FlashMLA's decode
+    ``schedule`` for the kind (None unless FlashMLA decodes this step)."""
+
+    groups: list[TokenGroup]
+    provider: str
+    indices: paddle.Tensor | None = None
+    schedule: object | None = None
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_groups(meta: ForwardMeta, window: int, group: str, kernels: KernelConfig, num_heads: int) -> list[TokenGroup]:
+    """The calls of a kind with window W (0: full layers) reading KV cache group ``group``: prefill
+    requests in MHA form together (with their keys in view), the rest absorbed, decodes apart from
+    prefills for FlashMLA."""
+    split_decode = kernels.sparse_mla_provider == "flashmla"
+    kinds = {"mha": [], "decode": [], "prefill": []} if split_decode else {"mha": [], "absorbed": []}
+    for b in range(len(meta.seq_lens_encoder)):
+        if meta.seq_lens_encoder[b] == 0:
+            kind = "decode"
+        else:
+            chunk, start = int(meta.seq_lens_this_time[b]), int(meta.seq_lens_decoder[b])
+            kind = (
+                "mha"
+                if choose_prefill_form(kernels.mla_prefill_form, chunk, start, window, num_heads) == "mha"
+                else "prefill"
+            )
+        kinds[kind if kind == "mha" or split_decode else "absorbed"].append(b)
+    cu, groups = meta.cu_seqlens_q, []
+    for kind, reqs in kinds.items():
+        if not reqs:
+            continue
+        reqs = np.asarray(reqs, np.int64)
+        tok = np.concatenate([np.arange(cu[b], cu[b + 1]) for b in reqs])
+        token_group = TokenGroup(None if tok.size == cu[-1] else paddle.to_tensor(tok), reqs, kind)
+        if kind == "mha":
+            token_group.mha = mha_keys(meta, window, reqs, meta.host_block_tables[group])
+        groups.append(token_group)
+    return groups
+
+
+def mha_keys(meta: ForwardMeta, window: int, reqs: np.ndarray, host_table: np.ndarray) -> MHAKeys:
+    """The keys in view of prefill requests ``reqs``: the window before each chunk (W > 0) or the
+    whole context, then the chunk; a key in a released block is a ValueError naming the window."""
+    bs = meta.block_size
+    q_start = meta.seq_lens_decoder[reqs]
+    k_start = np.maximum(q_start - window + 1, 0) if window > 0 else np.zeros_like(q_start)
+    end = q_start + meta.seq_lens_this_time[reqs]
+    kpos = [np.arange(k_start[i], end[i]) for i in range(len(reqs))]
+    blk = np.concatenate([host_table[b, p // bs] for b, p in zip(reqs, kpos, strict=True)])
+    if (blk < 0).any():
+        raise ValueError(f"a prefill's keys in view (window {window}) lie in released or missing blocks")
+    kslots = blk.astype(np.int64) * bs + np.concatenate(kpos) % bs
+    n = end - q_start
+    batch = PrefillBatch.of(
+        np.concatenate([[0], np.cumsum(n)]), np.concatenate([[0], np.cumsum(end - k_start)]), q_start, k_start
+    )
+    return MHAKeys(slots=paddle.to_tensor(kslots), batch=batch)
+
+
+def window_indices(
+    meta: ForwardMeta, group: str, reqs: np.ndarray | None, window: int, topk: int, triton: bool
+) -> paddle.Tensor:
+    """int32 [n, topk]: the window slots (``get_swa_indexer_top_k``, the seed PR's indexer) of the
+    tokens of requests ``reqs`` (None: every request of the step), in step order."""
+    if reqs is None:
+        tables, cu = meta.block_tables[group], meta.cu_seqlens_q
+        enc, dec = meta.seq_lens_encoder, meta.seq_lens_decoder
+    else:
+        n = meta.seq_lens_this_time[reqs]
+        tables = paddle.to_tensor(meta.host_block_tables[group][reqs])
+        cu = np.concatenate([[0], np.cumsum(n)])
+        enc, dec = meta.seq_lens_encoder[reqs], meta.seq_lens_decoder[reqs]
+    bid = np.repeat(np.arange(len(enc), dtype=np.int32), np.diff(cu))
+    out = paddle.full([len(bid), 1, topk], -1, dtype="int32")
+    get_swa_indexer_top_k(
+        out, tables, cu, enc, dec, bid, block_size=meta.block_size, sliding_window=window, triton=triton
+    )
+    return out.reshape([len(bid), topk])
