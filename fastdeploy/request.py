@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fastdeploy.model_executor.layers.sampler import SamplingState
-from fastdeploy.sampling_params import SamplingParams
+from fastdeploy.sampling_params import SamplingParams, SamplingState
 
 
 class RequestStatus(enum.Enum):

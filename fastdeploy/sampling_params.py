@@ -1,10 +1,12 @@
-"""SamplingParams (vLLM's names and defaults). A bad value is a ValueError whose message starts
-with the field's name."""
+"""SamplingParams (vLLM's names and defaults; a bad value is a ValueError whose message starts
+with the field's name), and SamplingState, what the sampler keeps of them per request."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 def _is_int(v) -> bool:
@@ -76,3 +78,22 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs of one request; ``rng`` is per request so a seed reproduces.
+    ``min_tokens_stop_ids``: tokens banned while fewer than ``min_tokens`` are generated (EOS,
+    stop_token_ids)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    logprobs: int | None = None
+    rng: np.random.Generator | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    min_tokens_stop_ids: tuple[int, ...] = ()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import json
 import logging
 import os
 import subprocess
@@ -23,6 +21,7 @@ from fastdeploy.request import Request, RequestOutput
 from fastdeploy.sampling_params import SamplingParams
 from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+from fastdeploy.worker.tp_worker import encode_config
 
 logger = logging.getLogger("fastdeploy")
 
@@ -59,7 +58,7 @@ class LLMEngine:
         mc = self.config.model_config
         self.tokenizer = Tokenizer(mc.model_dir)
         pc = self.config.parallel_config
-        worker_argv = ["--engine-args", json.dumps(dataclasses.asdict(args)), "--driver-pid", str(os.getpid())]
+        worker_argv = ["--config", encode_config(self.config, args.dtype), "--driver-pid", str(os.getpid())]
         self.tp = init_tensor_parallel(pc.tensor_parallel_size, worker_argv)
         if not self.tp.is_driver:
             raise ValueError("LLMEngine runs on rank 0 only; other ranks run fastdeploy.worker.tp_worker")
@@ -131,30 +130,41 @@ class LLMEngine:
                 p.kill()
         self.tp.workers.clear()
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, param: str = "prompt"
+    ) -> Request:
         """Queue a prompt (text, or token ids). Raises ValueError naming what is wrong."""
-        req = self.make_request(prompt, params, request_id)
+        req = self.make_request(prompt, params, request_id, param)
         self.enqueue(req)
         return req
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate and tokenize; touches no engine state, so any thread may call it."""
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, param: str = "prompt"
+    ) -> Request:
+        """Validate and tokenize; touches no engine state, so any thread may call it. This is the
+        one check of a request's values against the model (token ids in the vocabulary, the
+        context length); a ValueError's message starts with the field it names (``param`` for
+        the prompt)."""
+        vocab = self.config.model_config.vocab_size
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
             ids, text = list(prompt), None
-            vocab = self.config.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt_token_ids: {bad[0]!r} is not a token id in 0..{vocab - 1}")
+                raise ValueError(f"{param}: {bad[0]!r} is not a token id in 0..{vocab - 1}")
         if not ids:
-            raise ValueError("prompt: must not be empty")
+            raise ValueError(f"{param}: must not be empty")
         limit = self.config.scheduler_config.max_model_len
         if len(ids) >= limit:
             raise ValueError(
-                f"prompt: {len(ids)} tokens, but max_model_len is {limit} (prompt plus at least one "
+                f"{param}: {len(ids)} tokens, but max_model_len is {limit} (prompt plus at least one "
                 "generated token must fit)"
             )
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: {bad[0]} is not a token id in 0..{vocab - 1}")
         return Request(request_id or uuid.uuid4().hex, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
 
     def enqueue(self, req: Request) -> None:

@@ -35,11 +35,12 @@ class LLM:
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         ids = []
         for p, sp in zip(prompts, params, strict=True):
+            field = "prompt"
             if isinstance(p, dict):
                 if "prompt_token_ids" not in p:
                     raise ValueError("a dict prompt needs 'prompt_token_ids'")
-                p = p["prompt_token_ids"]
-            ids.append(self.engine.add_request(p, sp).request_id)
+                p, field = p["prompt_token_ids"], "prompt_token_ids"
+            ids.append(self.engine.add_request(p, sp, param=field).request_id)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

@@ -79,3 +79,17 @@ class ChatCompletionRequest(SamplingFields):
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error", code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and OpenAI's error body; ``param`` names the field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def param_of(message: str) -> str | None:
+    """The field a validation message starts with ("max_tokens: ...", "prompt.1: ..."), if any."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.replace("_", "").replace(".", "").isalnum() else None

@@ -8,30 +8,13 @@ error for that request alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from fastdeploy.sampling_params import SamplingState
+
 SAMPLING_EPS = 1e-5
-
-
-@dataclass
-class SamplingState:
-    """What the sampler needs of one request; ``rng`` is per request so a seed reproduces.
-    ``min_tokens_stop_ids``: tokens banned while fewer than ``min_tokens`` are generated (EOS,
-    stop_token_ids)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    logprobs: int | None = None
-    rng: np.random.Generator | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_tokens: int = 0
-    min_tokens_stop_ids: tuple[int, ...] = ()
 
 
 @dataclass

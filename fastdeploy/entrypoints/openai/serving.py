@@ -1,0 +1,295 @@
+"""OpenAI request handling: a validated request body -> engine requests -> the response.
+
+Pydantic (``protocol.py``) checks types and OpenAI's ranges; this module checks what only the
+API has (the model name, unsupported features, chat message parts) and turns each prompt into
+``n`` engine requests, whose values the engine validates once (``LLMEngine.make_request``:
+token ids in the vocabulary, the context length; ``SamplingParams``: sampling ranges), each error
+naming its field. It then streams the engine's outputs as ``Delta``s to ``response.py``, and
+aborts a request whose client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError, ServerDrainingError
+from fastdeploy.engine.metrics import EngineMetrics
+from fastdeploy.entrypoints.openai.protocol import (
+    MAX_STOP,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    param_of,
+)
+from fastdeploy.entrypoints.openai.response import Delta, ResponseFormatter
+from fastdeploy.request import Request as EngineRequest
+from fastdeploy.sampling_params import SamplingParams
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+
+
+def bad_unicode(value, path: str = "") -> str | None:
+    """The dotted path of the first string in ``value`` that UTF-8 cannot encode, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            bad = bad_unicode(v, f"{path}.{k}" if path else str(k))
+            if bad:
+                return bad
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            bad = bad_unicode(v, f"{path}.{i}")
+            if bad:
+                return bad
+    return None
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.name = served_model_name
+        self.metrics = EngineMetrics(engine.engine)
+        engine.engine.step_listeners.append(self.metrics.on_token)
+        engine.engine.finish_listeners.append(self.metrics.on_finish)
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.config.scheduler_config.max_model_len
+        self.prefix_caching = engine.engine.config.cache_config.enable_prefix_caching
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ requests -> engine (off the event loop)
+
+    def _check_common(self, body) -> None:
+        if body.model is not None and body.model != self.name:
+            raise APIError(404, f"The model `{body.model}` does not exist.", "model", "NotFoundError")
+        for f in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+            if getattr(body, f) is not None:
+                raise APIError(400, f"{f}: tool and function calling are not supported by this server", f)
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(
+                400,
+                f"response_format: type {body.response_format.type!r} is not supported (only 'text'; no JSON mode)",
+                "response_format",
+            )
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > MAX_STOP:
+            raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options: only allowed with stream=true", "stream_options")
+        bad_text = bad_unicode(body.model_dump())
+        if bad_text:
+            raise APIError(400, f"{bad_text}: invalid Unicode (a lone surrogate cannot be encoded)", bad_text)
+
+    @staticmethod
+    def _logit_bias(body) -> dict[int, float]:
+        """OpenAI's string keys as token ids (the engine checks ids and biases)."""
+        out = {}
+        for k, v in (body.logit_bias or {}).items():
+            if not k.isdigit():
+                raise APIError(400, f"logit_bias: key {k!r} is not a token id", "logit_bias")
+            out[int(k)] = v
+        return out
+
+    def _params(self, body, max_tokens: int | None, logprobs: int | None, n_prompt: int, k: int) -> SamplingParams:
+        """The k-th of body.n samples: seeds seed + k, so the n samples differ and reproduce."""
+        room = self.max_model_len - n_prompt
+        if max_tokens is None:
+            max_tokens = max(room, 1)  # a prompt with no room left is the engine's error to name
+        elif max_tokens > room >= 1:
+            msg = (
+                f"max_tokens: this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {n_prompt} and max_tokens asks for {max_tokens} more"
+            )
+            raise APIError(400, msg, "max_tokens")
+        seed = None if body.seed is None else (body.seed + k) % 2**64
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=seed,
+                logprobs=logprobs,
+                stop_token_ids=body.stop_token_ids or [],
+                stop=body.stop or [],
+                ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=self._logit_bias(body),
+                min_tokens=body.min_tokens,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param_of(str(e))) from None
+
+    def _requests(
+        self, rid: str, prompts: list[tuple[str | list[int], str]], body, max_tokens, logprobs
+    ) -> list[list[EngineRequest]]:
+        """body.n requests per (prompt text or token ids, its field name), made and validated by
+        the engine (nothing queued yet)."""
+        out = []
+        for i, (prompt, param) in enumerate(prompts):
+            if isinstance(prompt, str):  # a chat template spells its own special tokens
+                ids = self.tokenizer.encode(prompt, add_special_tokens=param != "messages")
+            else:
+                ids = prompt
+            row = []
+            for k in range(body.n):
+                try:
+                    params = self._params(body, max_tokens, logprobs, len(ids), k)
+                    req = self.engine.engine.make_request(list(ids), params, f"{rid}-{i}-{k}", param=param)
+                except ValueError as e:
+                    raise APIError(400, str(e), param_of(str(e))) from None
+                if row and self.prefix_caching:  # share the prompt's blocks through the prefix cache
+                    req.prefill_after = row[0]
+                row.append(req)
+            out.append(row)
+        return out
+
+    def _prepare_completion(self, body: CompletionRequest, rid: str) -> list[list[EngineRequest]]:
+        self._check_common(body)
+        if body.echo:
+            raise APIError(400, "echo: not supported by this server", "echo")
+        p = body.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            prompts = [p]
+        else:
+            prompts = list(p)  # a batch: strings or token-id lists
+        if not prompts:
+            raise APIError(400, "prompt: must not be empty", "prompt")
+        named = [(x, "prompt" if len(prompts) == 1 else f"prompt.{i}") for i, x in enumerate(prompts)]
+        return self._requests(rid, named, body, body.max_tokens, body.logprobs)
+
+    def _prepare_chat(self, body: ChatCompletionRequest, rid: str) -> list[list[EngineRequest]]:
+        self._check_common(body)
+        messages = []
+        for i, m in enumerate(body.messages):
+            content = m.content or ""
+            if isinstance(content, list):
+                parts = []
+                for p in content:
+                    if p.get("type") != "text" or not isinstance(p.get("text"), str):
+                        raise APIError(
+                            400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content"
+                        )
+                    parts.append(p["text"])
+                content = "".join(parts)
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        try:
+            text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, f"messages: {e}", "messages") from None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+        top_n = body.top_logprobs or 0
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return self._requests(rid, [(text, "messages")], body, max_tokens, top_n if body.logprobs else None)
+
+    def _submit(self, reqs: list[list[EngineRequest]]) -> list[tuple[EngineRequest, asyncio.Queue]]:
+        flat, queued = [r for row in reqs for r in row], []
+        try:
+            for r in flat:
+                queued.append((r, self.engine.add(r)))
+        except (EngineDeadError, ServerDrainingError) as e:
+            for r, _ in queued:
+                self.engine.abort(r.request_id)
+            raise APIError(503, str(e), None, "service_unavailable") from None
+        return queued
+
+    async def _deltas(self, req: EngineRequest, q: asyncio.Queue) -> AsyncIterator[Delta]:
+        """Text and token increments; holds back text that may still turn into a stop string."""
+        hold = max((len(s) for s in req.sampling_params.stop), default=1) - 1
+        sent_text, sent_tok = 0, 0
+        try:
+            async for out in self.engine.stream(req.request_id, q):
+                if out.error is not None:
+                    raise APIError(500, f"the engine failed this request: {out.error}", None, "internal_server_error")
+                c = out.outputs[0]
+                end = len(c.text) if out.finished else max(sent_text, len(c.text) - hold)
+                lp = c.logprobs[sent_tok:] if c.logprobs is not None else []
+                reason = c.finish_reason if out.finished else None
+                yield Delta(c.text[sent_text:end], c.token_ids[sent_tok:], lp, reason, out)
+                sent_text, sent_tok = end, len(c.token_ids)
+        except (EngineDeadError, ServerDrainingError) as e:
+            raise APIError(503, str(e), None, "service_unavailable") from None
+        except ValueError as e:  # the engine refused the request (e.g. its id is in use)
+            raise APIError(400, str(e), param_of(str(e))) from None
+
+    # ------------------------------------------------------------ engine -> response
+
+    async def respond(self, http: Request, queued, body, fmt: ResponseFormatter):
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            merged: asyncio.Queue = asyncio.Queue()
+
+            async def pump(index: int, req: EngineRequest, q: asyncio.Queue) -> None:
+                try:
+                    async for d in self._deltas(req, q):
+                        await merged.put((index, d))
+                except BaseException as e:  # noqa: BLE001 - handed to the SSE writer
+                    await merged.put((index, e))
+                await merged.put((index, None))
+
+            async def events():
+                while True:
+                    yield await merged.get()
+
+            async def sse():
+                tasks = [asyncio.ensure_future(pump(i, r, q)) for i, (r, q) in enumerate(queued)]
+                try:
+                    async for line in fmt.sse(events(), len(queued), include_usage):
+                        yield line
+                finally:
+                    for t in tasks:
+                        t.cancel()
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
+        async def collect(req: EngineRequest, q: asyncio.Queue) -> Delta:
+            full = None
+            async for d in self._deltas(req, q):
+                full = d if full is None else full + d
+            return full
+
+        gathered = asyncio.ensure_future(asyncio.gather(*(collect(r, q) for r, q in queued)))
+        while not gathered.done():  # a client that goes away aborts its requests within a poll
+            await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
+            if not gathered.done() and await http.is_disconnected():
+                gathered.cancel()
+                for r, _ in queued:
+                    self.engine.abort(r.request_id)
+                return JSONResponse(error_body("client disconnected"), status_code=499)
+        try:
+            fulls = gathered.result()
+        except BaseException:
+            for r, _ in queued:  # one sample failed: the others are aborted too
+                self.engine.abort(r.request_id)
+            raise
+        return JSONResponse(fmt.body(fulls))
+
+    # ------------------------------------------------------------ endpoints
+
+    def _formatter(self, rid: str, queued, body, chat: bool, top_n: int) -> ResponseFormatter:
+        logprobs = queued[0][0].sampling_params.logprobs is not None
+        return ResponseFormatter(self.tokenizer, rid, self.name, chat, logprobs, top_n, body.n)
+
+    async def completions(self, http: Request, body: CompletionRequest):
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        queued = self._submit(await run_in_threadpool(self._prepare_completion, body, rid))
+        return await self.respond(http, queued, body, self._formatter(rid, queued, body, False, body.logprobs or 0))
+
+    async def chat(self, http: Request, body: ChatCompletionRequest):
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        queued = self._submit(await run_in_threadpool(self._prepare_chat, body, rid))
+        return await self.respond(http, queued, body, self._formatter(rid, queued, body, True, body.top_logprobs or 0))
