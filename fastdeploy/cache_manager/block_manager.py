@@ -111,7 +111,7 @@ class BlockManager:
         """The first logical SWA block a query at position >= p0 can see."""
         return max(0, p0 - self.sliding_window + 1) // self.block_size
 
-    def _hashes(self, req: Request, n_blocks: int) -> list[int]:
+    def block_hashes(self, req: Request, n_blocks: int) -> list[int]:
         """Chained hashes of the request's first n full blocks (memoised on the request)."""
         bs, hs, tokens = self.block_size, req.block_hashes, req.all_token_ids
         h = hs[-1] if hs else 0
@@ -128,7 +128,7 @@ class BlockManager:
             return 0
         tokens, bs = req.all_token_ids, self.block_size
         self.prefix_queries += len(tokens)
-        hashes = self._hashes(req, (len(tokens) - 1) // bs)
+        hashes = self.block_hashes(req, (len(tokens) - 1) // bs)
         full, swa = self.pools.get(FULL_GROUP), self.pools.get(SWA_GROUP)
         n = len(hashes)
         if full is not None:
@@ -185,7 +185,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = req.num_computed_tokens // self.block_size
-        hashes = self._hashes(req, n_full)
+        hashes = self.block_hashes(req, n_full)
         for g, pool in self.pools.items():
             for b, h in zip(self._tables(req)[g][:n_full], hashes, strict=True):
                 if b >= 0:

@@ -61,14 +61,15 @@ class EngineArgs:
     dist_timeout: float = setting(60.0, "seconds a tensor-parallel rank may stay silent before the driver exits")
     kernel_backend: str = setting(
         "auto",
-        "window indexer and FP8 cache kernels; auto: Triton on a CUDA paddle, paddle references on CPU; "
+        "the Triton kernels (window indexer, FP8 cache write and read, MHA-form prefill, W8A8 FP8 GEMM, "
+        "fused MoE) or their paddle references; auto: Triton on a CUDA paddle, references on CPU; "
         "triton on CPU needs TRITON_INTERPRET=1",
         KERNEL_BACKENDS,
     )
     sparse_mla_provider: str = setting(
         "auto",
-        "SWA layers' sparse MLA attention; auto: flashmla where it imports on GPU, else triton when Triton "
-        "kernels run, else reference",
+        "SWA and full layers' absorbed (sparse MLA) attention; auto: flashmla where it imports on GPU, else triton "
+        "when Triton kernels run, else reference",
         ("auto", "flashmla", "triton", "reference"),
     )
     quantization: str = setting(

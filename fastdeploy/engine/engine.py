@@ -53,7 +53,6 @@ def check_kv_capacity(num_blocks: dict[str, int], block_size: int, max_model_len
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        self.args = args
         self.config = args.create_config()
         mc = self.config.model_config
         self.tokenizer = Tokenizer(mc.model_dir)

@@ -1,14 +1,17 @@
 """The one implementation switch: which kernels run, decided once at start-up and logged.
 
-``select_kernels`` turns the two settings (``--kernel-backend``, ``--sparse-mla-provider``) into
-a ``KernelConfig`` that the runner hands to the model and the step builder. Nothing below it
-reads the environment or keeps a module-global choice.
+``select_kernels`` turns the three settings (``--kernel-backend``, ``--sparse-mla-provider``,
+``--mla-prefill-form``) into a ``KernelConfig`` that the runner hands to the model and the step
+builder. Nothing below it reads the environment or keeps a module-global choice.
 
 - kernel_backend ``auto``: Triton kernels on a CUDA build of paddle, paddle references on CPU;
   ``triton``: Triton kernels (on CPU only in Triton's interpreter, ``TRITON_INTERPRET=1``; slow,
   for tests); ``reference``: paddle references.
 - sparse_mla_provider ``auto``: ``flashmla`` on a GPU where ``flash_mla`` imports, else ``triton``
-  when Triton kernels run, else ``reference``.
+  when Triton kernels run, else ``reference``; SWA and full layers' absorbed attention both go
+  through it.
+- mla_prefill_form: ``auto`` (the cost model of ``layers/attention/prefill_form.py``), ``mha`` or
+  ``absorbed``.
 """
 
 from __future__ import annotations

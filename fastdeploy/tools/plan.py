@@ -22,7 +22,15 @@ import math
 
 import paddle
 
-from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from fastdeploy.config import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    FDConfig,
+    KernelConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, plan_kv_blocks
@@ -70,14 +78,15 @@ def plan(fd: FDConfig, dtype: str, memory_bytes: float, fp8_checkpoint: bool = F
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m fastdeploy.tools.plan", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="a DeepSeek-V3-architecture config.json")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    # the engine's defaults, from the config dataclasses (one default per setting)
+    ap.add_argument("--tensor-parallel-size", type=int, default=ParallelConfig.tensor_parallel_size)
     ap.add_argument("--gpu-memory-gib", type=float, required=True)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"])
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
+    ap.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])  # a GPU's auto
+    ap.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    ap.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     a = ap.parse_args(argv)
     with open(a.config, encoding="utf-8") as f:
         raw = json.load(f)

@@ -161,7 +161,7 @@ def test_prefix_hits_across_groups_same_tokens(rng):
     assert [o.num_cached_tokens for o in got] == [16, 32, 48, 80]
     # evict the SWA block of positions 48..63: hits at 80 (needs 49..79) and 64 (33..63) lose their window
     bm, swa = on.engine.block_manager, on.engine.block_manager.pools["swa"]
-    b3 = swa.hash_to_block[bm._hashes(Request("h", shared + [0], GREEDY), 4)[3]]
+    b3 = swa.hash_to_block[bm.block_hashes(Request("h", shared + [0], GREEDY), 4)[3]]
     swa.free.move_to_end(b3, last=False)
     assert swa.take() == b3 and b3 not in swa.hash_to_block.values()
     swa.unref(b3)

@@ -160,7 +160,11 @@ def test_flashmla_provider_pads_and_slices(is_prefill, H, rng, monkeypatch):
     check(q, cache, idx, out, lse)
 
 
-def test_flashmla_head_limit():
+def test_flashmla_head_limit(rng, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "flash_mla", fake_flash_mla(calls))
+    q, cache, idx = make_case(rng, 2, 256, 64)
     with pytest.raises(ValueError, match="128 heads"):
-        sm._pad_heads(256)
+        sm.sparse_mla_attention(q, cache, paddle.to_tensor(idx), SCALE, provider="flashmla")
+    assert calls == []
     assert sm.topk_multiple("flashmla", True) == 128 and sm.topk_multiple("triton", True) == 1

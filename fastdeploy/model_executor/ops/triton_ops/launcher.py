@@ -17,7 +17,8 @@ _compat_enabled = False
 
 
 def interpret_mode() -> bool:
-    """Whether Triton runs in its interpreter; read once, when kernels are defined."""
+    """Whether Triton runs in its interpreter (TRITON_INTERPRET=1), read at each call; Triton
+    itself reads the variable when it defines the kernels, so set it before importing them."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
