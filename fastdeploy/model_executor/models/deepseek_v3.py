@@ -5,7 +5,7 @@ its new latent and W_UK / W_UV to one backend, chosen once at construction, whic
 cache and attends in MHA or absorbed form per its kind's step plan: a layer is SWA when
 ``config.is_swa_layer(layer_id)`` (``window_attn_skip_freq[layer_id] == 1``), takes the
 ``forward_swa_static`` branch and has a DSAAttentionBackend (FP8 record cache, the window slots
-of ``get_swa_indexer_top_k``, sparse MLA); full layers have an MLAAttentionBackend (latent cache
+from the kernel under ``get_swa_indexer_top_k``, sparse MLA); full layers have an MLAAttentionBackend (latent cache
 in the model dtype, bf16 or FP8 records). The seed PR's names are this path:
 ``get_swa_indexer_top_k`` (exported here), ``DeepseekV3MLAAttention.forward_swa_static`` and
 ``DSAAttentionBackend.forward_static``.
@@ -138,8 +138,8 @@ class DeepseekV3MLAAttention(nn.Layer):
         meta: ForwardMeta,
     ) -> paddle.Tensor:
         """The seed PR's SWA branch (``window_attn_skip_freq[layer_id] == 1``): the DSA backend
-        writes the step's FP8 records, then attends over the window its step plan indexed with
-        ``get_swa_indexer_top_k``: absorbed through ``DSAAttentionBackend.forward_static``, or in
+        writes the step's FP8 records, then attends over the window its step plan indexed (the
+        kernel under ``get_swa_indexer_top_k``): absorbed through ``DSAAttentionBackend.forward_static``, or in
         MHA form for the prefills the plan put there. q_nope [T, H, nope], q_pe [T, H, 64], kv_c
         [T, 512], k_pe [T, 64] -> float32 [T, H, v_head_dim]."""
         return self.attn_backend.forward(q_nope, q_pe, kv_c, k_pe, cache, meta, self.w_uk, self.w_uv)

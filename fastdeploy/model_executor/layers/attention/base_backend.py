@@ -62,6 +62,11 @@ class KVSpec:
         return [num_blocks, block_size, 1, self.last_dim]
 
 
+def record_writer(kernels: KernelConfig):
+    """The FP8 record writer ``kernels`` picks: the Triton kernel or its paddle reference."""
+    return write_mla_fp8_cache if kernels.triton else write_mla_fp8_cache_ref
+
+
 class MLABackendBase:
     """``softmax_scale``; ``kernels`` the implementation switch; ``num_heads`` this rank's heads
     (the prefill-form cost model counts them); ``model_dtype`` the model's dtype name."""
@@ -74,7 +79,7 @@ class MLABackendBase:
         self.num_heads = num_heads
         self.model_dtype = model_dtype
         self.mla_prefill = mla_prefill_attention if kernels.triton else mla_prefill_ref
-        self.write_records = write_mla_fp8_cache if kernels.triton else write_mla_fp8_cache_ref
+        self.write_records = record_writer(kernels)
         self.dequant_records = dequant_mla_fp8_cache if kernels.triton else dequant_mla_fp8_cache_ref
 
     # ------------------------------------------------------------ per backend

@@ -5,9 +5,9 @@ the window indexer's slot ids and FlashMLA's sparse MLA contract over the 656-by
 (docs/design.md §4.3-4.5).
 - ``kv_spec``: group "swa", uint8, 656 bytes a token, whatever the model dtype.
 - ``plan_step``: the token groups (prefill requests the cost model puts in MHA form, the rest
-  absorbed) and, when any token attends absorbed, every token's window slots from
-  ``get_swa_indexer_top_k`` padded once to the provider's multiple; FlashMLA's sparse decode
-  schedule for the step.
+  absorbed) and, when any token attends absorbed, every token's window slots (the kernel under
+  ``get_swa_indexer_top_k``, on the step's device positions) padded once to the provider's
+  multiple; FlashMLA's sparse decode schedule for the step.
 - ``forward`` (MLABackendBase) writes the step's records and runs each group; absorbed groups go
   through ``forward_static``, the PR's entry point, which runs the provider on the window's slots.
   FlashMLA gets decodes (FP8 cache kernel) apart from prefills (bf16 gather kernel); the Triton
@@ -21,7 +21,7 @@ import paddle
 
 from fastdeploy.config import SWA_GROUP, CacheConfig, KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
-from fastdeploy.model_executor.layers.attention.base_backend import KVSpec, MLABackendBase
+from fastdeploy.model_executor.layers.attention.base_backend import KVSpec, MLABackendBase, record_writer
 from fastdeploy.model_executor.layers.attention.sparse_mla_providers import (
     flashmla_schedule,
     sparse_mla_attention,
@@ -34,7 +34,6 @@ from fastdeploy.model_executor.layers.attention.step_plan import (
     round_up,
     window_indices,
 )
-from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import write_mla_fp8_cache, write_mla_fp8_cache_ref
 
 
 class DSAAttentionBackend(MLABackendBase):
@@ -111,8 +110,7 @@ class DSAAttentionBackend(MLABackendBase):
         ``schedule``: FlashMLA's decode schedule for the step (None: made here)."""
         kernels = forward_meta.kernels
         if compressed_kv is not None:
-            write = write_mla_fp8_cache if kernels.triton else write_mla_fp8_cache_ref
-            write(compressed_kv, k_pe, forward_meta.slot_mapping[SWA_GROUP], latent_cache)
+            record_writer(kernels)(compressed_kv, k_pe, forward_meta.slot_mapping[SWA_GROUP], latent_cache)
         T, H = q.shape[0], q.shape[1]
         idx = indexer_topk.reshape([T, -1])
         provider = kernels.sparse_mla_provider

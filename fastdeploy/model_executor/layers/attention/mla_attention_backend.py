@@ -66,8 +66,7 @@ class MLAAttentionBackend(MLABackendBase):
             else:
                 longest = int((meta.seq_lens_decoder[g.requests] + meta.seq_lens_this_time[g.requests]).max())
                 topk = round_up(longest, step_topk_multiple(provider))
-                reqs = None if g.tokens is None else g.requests
-                g.indices = window_indices(meta, FULL_GROUP, reqs, longest, topk, self.kernels.triton)
+                g.indices = window_indices(meta, FULL_GROUP, g.tokens, longest, topk, self.kernels.triton)
         if provider == "flashmla" and any(g.form == "decode" for g in groups):
             plan.schedule = flashmla_schedule()
         return plan

@@ -18,7 +18,7 @@ from fastdeploy.config import KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.prefill_form import choose_prefill_form
 from fastdeploy.model_executor.ops.triton_ops.mla_prefill import PrefillBatch
-from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer_top_k
+from fastdeploy.model_executor.ops.triton_ops.swa_indexer import swa_window_indices
 
 
 @dataclass
@@ -130,21 +130,13 @@ def mha_keys(meta: ForwardMeta, window: int, reqs: np.ndarray, host_table: np.nd
 
 
 def window_indices(
-    meta: ForwardMeta, group: str, reqs: np.ndarray | None, window: int, topk: int, triton: bool
+    meta: ForwardMeta, group: str, tokens: paddle.Tensor | None, window: int, topk: int, triton: bool
 ) -> paddle.Tensor:
-    """int32 [n, topk]: the window slots (``get_swa_indexer_top_k``, the seed PR's indexer) of the
-    tokens of requests ``reqs`` (None: every request of the step), in step order."""
-    if reqs is None:
-        tables, cu = meta.block_tables[group], meta.cu_seqlens_q
-        enc, dec = meta.seq_lens_encoder, meta.seq_lens_decoder
-    else:
-        n = meta.seq_lens_this_time[reqs]
-        tables = paddle.to_tensor(meta.host_block_tables[group][reqs])
-        cu = np.concatenate([[0], np.cumsum(n)])
-        enc, dec = meta.seq_lens_encoder[reqs], meta.seq_lens_decoder[reqs]
-    bid = np.repeat(np.arange(len(enc), dtype=np.int32), np.diff(cu))
-    out = paddle.full([len(bid), 1, topk], -1, dtype="int32")
-    get_swa_indexer_top_k(
-        out, tables, cu, enc, dec, bid, block_size=meta.block_size, sliding_window=window, triton=triton
+    """int32 [n, topk]: the window slots of the step's ``tokens`` (None: every token), from the
+    step's device positions and batch ids, by the kernel under ``get_swa_indexer_top_k``."""
+    positions, batch_ids = meta.positions, meta.batch_id_per_token
+    if tokens is not None:
+        positions, batch_ids = positions[tokens], batch_ids[tokens]
+    return swa_window_indices(
+        positions, batch_ids, meta.block_tables[group], meta.block_size, window, topk, triton=triton
     )
-    return out.reshape([len(bid), topk])

@@ -107,9 +107,10 @@ def get_swa_indexer_top_k(
     sliding_window: int | None = None,
     triton: bool | None = None,
 ) -> paddle.Tensor:
-    """The seed PR's window indexer (``models/deepseek_v3.py`` exports it by that name; the SWA
-    backend's step plan calls it): fills ``indexer_top_k`` int32 [T, 1, K] in place with each
-    token's window slots, ascending, then -1, and returns it.
+    """The seed PR's window indexer (``models/deepseek_v3.py`` exports it by that name), over the
+    kernel the SWA step plan runs on the step's own device positions (``swa_window_indices``):
+    fills ``indexer_top_k`` int32 [T, 1, K] in place with each token's window slots, ascending,
+    then -1, and returns it.
 
     Token t belongs to request b = batch_id_per_token[t] (b < 0: a padding token, all -1) and sits
     at position seq_lens_decoder[b] + t - cu_seqlens_q[b]. block_tables int32 [B, max_blocks] (or
