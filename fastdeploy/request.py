@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -69,6 +70,8 @@ class Request:
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k,
+            min_p=sp.min_p,
+            seed=sp.seed if sp.seed is not None else secrets.randbits(64),
             logprobs=sp.logprobs,
             rng=rng,
             presence_penalty=sp.presence_penalty,

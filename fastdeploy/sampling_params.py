@@ -23,6 +23,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -45,6 +46,7 @@ class SamplingParams:
             ("temperature", _is_num(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
             ("top_p", _is_num(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "must be -1 or >= 1"),
+            ("min_p", _is_num(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64), "must be in 0..2^64-1"),
             (
                 "logprobs",
@@ -82,13 +84,16 @@ class SamplingParams:
 
 @dataclass
 class SamplingState:
-    """What the sampler needs of one request; ``rng`` is per request so a seed reproduces.
-    ``min_tokens_stop_ids``: tokens banned while fewer than ``min_tokens`` are generated (EOS,
-    stop_token_ids)."""
+    """What the sampler needs of one request. ``seed`` (64-bit, drawn at random when the request
+    gives none) keys the device sampler's draws with the request's step; ``rng`` is the numpy
+    reference's generator. ``min_tokens_stop_ids``: tokens banned while fewer than ``min_tokens``
+    are generated (EOS, stop_token_ids)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    seed: int = 0
     logprobs: int | None = None
     rng: np.random.Generator | None = None
     presence_penalty: float = 0.0
@@ -97,3 +102,8 @@ class SamplingState:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     min_tokens_stop_ids: tuple[int, ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling reads the request's token counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -13,14 +13,14 @@ import os
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import paddle
 
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMetaBuilder
 from fastdeploy.model_executor.layers.attention.base_backend import KVSpec
-from fastdeploy.model_executor.layers.sampler import SampleResult, sample
+from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
+from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.model_executor.load_weight_utils import load_weights, parameter_bytes
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 from fastdeploy.request import Request
@@ -117,6 +117,9 @@ class GPUModelRunner:
         self.kv_specs = layer_kv_specs(mc, fd_config.cache_config, self.dtype)
         self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.kv_specs))  # the same on every rank
         self.caches = self.allocate_caches(self.num_blocks)
+        self.sampler = DeviceSampler(
+            mc.vocab_size, fd_config.scheduler_config.max_num_seqs, fd_config.kernel_config.triton
+        )
 
     def allocate_caches(self, num_blocks: dict[str, int]) -> list[paddle.Tensor]:
         """One cache a layer, of its group's pool size, in its backend's layout."""
@@ -157,9 +160,9 @@ class GPUModelRunner:
             "samples_at": samples_at,
         }
 
-    def run_step(self, step: dict) -> np.ndarray | None:
-        """The model on one step's inputs, the same on every rank; logits float32 [n, vocab] of the
-        tokens that sample (None when none does)."""
+    def run_step(self, step: dict) -> paddle.Tensor | None:
+        """The model on one step's inputs, the same on every rank; logits [n, vocab] of the tokens
+        that sample, on the device (None when none does)."""
         self.step_started = time.monotonic()
         try:
             meta = self.meta_builder.build(
@@ -169,7 +172,7 @@ class GPUModelRunner:
             if not step["samples_at"]:
                 return None
             last_tok = (meta.cu_seqlens_q[1:] - 1)[step["samples_at"]]
-            return self.model.compute_logits(hidden, paddle.to_tensor(last_tok)).numpy()
+            return self.model.compute_logits(hidden, paddle.to_tensor(last_tok))
         finally:
             self.step_started = None
 
@@ -185,9 +188,7 @@ class GPUModelRunner:
         if logits is None:
             return results
         reqs = [scheduled[i][0] for i in step["samples_at"]]
-        states = [r.sampling_state for r in reqs]
-        histories = [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
-        for i, r in zip(step["samples_at"], sample(np.asarray(logits), states, histories), strict=True):
+        for i, r in zip(step["samples_at"], self.sampler.sample(logits, reqs), strict=True):
             results[i] = r
         return results
 

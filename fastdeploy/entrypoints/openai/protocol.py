@@ -2,7 +2,7 @@
 
 Strict: no string-to-number or number-to-bool coercion, no NaN / Infinity, and a field this
 server does not know is an error rather than silently dropped. Ranges are OpenAI's; fields vLLM
-adds (top_k, min_tokens, repetition_penalty, stop_token_ids, ignore_eos) are accepted too.
+adds (top_k, min_p, min_tokens, repetition_penalty, stop_token_ids, ignore_eos) are accepted too.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class SamplingFields(StrictModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

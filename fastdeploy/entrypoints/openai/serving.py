@@ -119,6 +119,7 @@ class OpenAIServer:
                 temperature=body.temperature,
                 top_p=body.top_p,
                 top_k=body.top_k,
+                min_p=body.min_p,
                 seed=seed,
                 logprobs=logprobs,
                 stop_token_ids=body.stop_token_ids or [],

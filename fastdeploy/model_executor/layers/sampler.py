@@ -1,5 +1,6 @@
-"""Sampling: penalties, logit bias, min_tokens, greedy / temperature / top-k / top-p, per-request
-seed, and top-N logprobs.
+"""The numpy sampler, the reference of the device sampler (``ops/triton_ops/sampling.py``):
+penalties, logit bias, min_tokens, greedy / temperature / min-p / top-k / top-p, per-request seed,
+and top-N logprobs.
 
 Robust for every accepted parameter value: temperatures below SAMPLING_EPS act as greedy (as in
 vLLM); top-k and top-p always keep at least the arg-max; a row whose logits are not finite is an
@@ -58,6 +59,24 @@ def adjusted_logits(row: np.ndarray, st: SamplingState, prompt: list[int], outpu
     return z
 
 
+def kept_mask(z: np.ndarray, st: SamplingState) -> tuple[np.ndarray, np.ndarray]:
+    """Adjusted logits z float64 [vocab] of a sampled row -> (z / temperature, the tokens a draw
+    may pick): min-p (p >= min_p * max p), then top-k (ties at the k-th all kept), then top-p of
+    what remains. Always keeps the arg-max."""
+    y = z / st.temperature
+    keep = np.ones(y.shape, bool)
+    if st.min_p > 0:
+        p = np.exp(_log_softmax(y))
+        keep &= p >= st.min_p * p.max()
+    if 0 < st.top_k < y.size:
+        yk = np.where(keep, y, -np.inf)
+        keep &= yk >= np.partition(yk, -st.top_k)[-st.top_k]
+    if st.top_p < 1.0:
+        p = np.exp(_log_softmax(np.where(keep, y, -np.inf)))
+        keep &= top_p_mask(p, st.top_p)
+    return y, keep
+
+
 def sample_one(row: np.ndarray, st: SamplingState, prompt: list[int], output: list[int]) -> SampleResult:
     """row float64 [vocab] -> a token. Logprobs are of the model's distribution (before penalties,
     temperature, top-k and top-p), as vLLM reports them; the chosen token is always among them."""
@@ -68,14 +87,8 @@ def sample_one(row: np.ndarray, st: SamplingState, prompt: list[int], output: li
     if st.temperature < SAMPLING_EPS:
         tok = int(np.argmax(z))
     else:
-        z = z / st.temperature
-        if 0 < st.top_k < z.size:
-            kth = np.partition(z, -st.top_k)[-st.top_k]
-            z = np.where(z >= kth, z, -np.inf)
-        p = np.exp(_log_softmax(z))
-        if st.top_p < 1.0:
-            p = np.where(top_p_mask(p, st.top_p), p, 0.0)
-            p /= p.sum()
+        y, keep = kept_mask(z, st)
+        p = np.exp(_log_softmax(np.where(keep, y, -np.inf)))
         rng = st.rng if st.rng is not None else np.random.default_rng()
         tok = int(rng.choice(p.size, p=p))
     top = None

@@ -1,0 +1,176 @@
+"""The step's sampling where the logits are (docs/design.md §4.11).
+
+``DeviceSampler.sample`` packs the rows' parameters into a few [B]-row arrays (one upload each),
+runs ``sample_tokens`` over the logits on the device, and copies back only the chosen tokens,
+their logprobs and the asked-for top logprobs (one [B, 3] copy, plus [B', N] when any row wants
+top logprobs). Requests with repetition / presence / frequency penalties own a slot of the count
+tables (``counts`` output occurrences, ``seen`` prompt tokens, [slots, vocab] on the device), kept
+current by a counting kernel after each draw and rebuilt from the request's tokens whenever the
+slot's tally and the request disagree (a new request, a slot taken by another, a failed step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import paddle
+
+from fastdeploy.model_executor.layers.sampler import SampleResult
+from fastdeploy.model_executor.ops.triton_ops import sampling
+from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (
+    F_FREQUENCY,
+    F_MIN_P,
+    F_PRESENCE,
+    F_REPETITION,
+    F_TEMPERATURE,
+    F_TOP_P,
+    I_NUM_BIAS,
+    I_SLOT,
+    I_TOP_K,
+    NUM_F,
+    NUM_I,
+    launch_count,
+)
+from fastdeploy.request import Request
+
+
+class DeviceSampler:
+    """Samples one token per row of a [B, vocab] logits tensor for B requests."""
+
+    def __init__(self, vocab_size: int, max_slots: int, triton: bool) -> None:
+        self.vocab_size, self.max_slots, self.triton = vocab_size, max_slots, triton
+        self.counts: paddle.Tensor | None = None  # int32 [max_slots, vocab], allocated on first use
+        self.seen: paddle.Tensor | None = None  # uint8 [max_slots, vocab]
+        self.owner: list[Request | None] = [None] * max_slots
+        self.tally: list[int] = [0] * max_slots  # output tokens counted in each slot
+        self.slot_of: dict[str, int] = {}
+
+    def _slot_for(self, req: Request, in_step: set[int]) -> int:
+        """A slot whose tables hold req's tokens (rebuilt if they may not)."""
+        s = self.slot_of.get(req.request_id)
+        if s is not None and self.owner[s] is req and self.tally[s] == len(req.output_token_ids):
+            return s
+        if s is None or self.owner[s] is not req:  # a free slot, else one of a request not in this step
+            s = next(s for s, r in enumerate(self.owner) if r is None or id(r) not in in_step)
+            if self.owner[s] is not None:
+                self.slot_of.pop(self.owner[s].request_id, None)
+        if self.counts is None:
+            self.counts = paddle.zeros([self.max_slots, self.vocab_size], "int32")
+            self.seen = paddle.zeros([self.max_slots, self.vocab_size], "uint8")
+        row = np.zeros(self.vocab_size, np.int32)
+        np.add.at(row, np.asarray(req.output_token_ids, np.int64), 1)
+        seen = np.zeros(self.vocab_size, np.uint8)
+        seen[np.asarray(req.prompt_token_ids, np.int64)] = 1
+        self.counts[s] = paddle.to_tensor(row)
+        self.seen[s] = paddle.to_tensor(seen)
+        self.owner[s], self.tally[s] = req, len(req.output_token_ids)
+        self.slot_of[req.request_id] = s
+        return s
+
+    def pack(self, reqs: Sequence[Request]) -> dict[str, np.ndarray]:
+        """The rows' host arrays: fparams float32 [B, 8], iparams int32 [B, 4], seeds int32
+        [B, 2], bias_ids int32 / bias_vals float32 [B, NB >= 1]."""
+        B = len(reqs)
+        f = np.zeros((B, NUM_F), np.float32)
+        i = np.zeros((B, NUM_I), np.int32)
+        seeds, steps, biases = np.empty(B, np.uint64), np.empty(B, np.uint64), []
+        in_step = {id(r) for r in reqs}
+        for b, req in enumerate(reqs):
+            st = req.sampling_state
+            n_out = len(req.output_token_ids)
+            f[b, [F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY]] = (
+                st.temperature,
+                st.top_p,
+                st.min_p,
+                st.repetition_penalty,
+                st.presence_penalty,
+                st.frequency_penalty,
+            )
+            i[b, I_TOP_K] = st.top_k
+            i[b, I_SLOT] = self._slot_for(req, in_step) if st.penalized else -1
+            bias = list(st.logit_bias.items())
+            if n_out < st.min_tokens:
+                bias += [(t, -np.inf) for t in st.min_tokens_stop_ids]
+            i[b, I_NUM_BIAS] = len(bias)
+            biases.append(bias)
+            seeds[b], steps[b] = st.seed, n_out
+        nb = max([1] + [len(x) for x in biases])
+        bias_ids = np.full((B, nb), -1, np.int32)
+        bias_vals = np.zeros((B, nb), np.float32)
+        for b, bias in enumerate(biases):
+            if bias:
+                bias_ids[b, : len(bias)], bias_vals[b, : len(bias)] = zip(*bias, strict=True)
+        return {
+            "fparams": f,
+            "iparams": i,
+            "seeds": sampling.row_keys(seeds, steps),
+            "bias_ids": bias_ids,
+            "bias_vals": bias_vals,
+        }
+
+    def sample(self, logits: paddle.Tensor, reqs: Sequence[Request]) -> list[SampleResult | Exception]:
+        """logits [B, vocab] on the device, one row per request -> a result per row (a
+        ValueError for a row whose logits are not finite: it fails that request only)."""
+        host = self.pack(reqs)
+        dev = {k: paddle.to_tensor(v) for k, v in host.items()}
+        empty = paddle.zeros([1, self.vocab_size], "int32")
+        counts = self.counts if self.counts is not None else empty
+        seen = self.seen if self.seen is not None else empty.astype("uint8")
+        out = sampling.sample_tokens(
+            logits,
+            counts,
+            seen,
+            dev["fparams"],
+            dev["iparams"],
+            dev["seeds"],
+            dev["bias_ids"],
+            dev["bias_vals"],
+            triton=self.triton,
+        )
+        slots = host["iparams"][:, I_SLOT]
+        if (slots >= 0).any():
+            self._count(out.tokens, dev["iparams"], slots)
+        got = paddle.stack([out.tokens.astype("float32"), out.logprobs, out.bad.astype("float32")], 1).numpy()
+        want = [r.sampling_state.logprobs or 0 for r in reqs]
+        tops = self._top_logprobs(logits, out.lse, want)
+        results: list[SampleResult | Exception] = []
+        for b, req in enumerate(reqs):
+            if got[b, 2]:
+                results.append(ValueError("the model's logits for this request are not finite"))
+                continue
+            tok, lp = int(got[b, 0]), float(got[b, 1])
+            top = None
+            if req.sampling_state.logprobs is not None:
+                top = tops.get(b, {})
+                top[tok] = lp
+            results.append(SampleResult(tok, lp, top))
+        return results
+
+    def _count(self, tokens: paddle.Tensor, iparams: paddle.Tensor, slots: np.ndarray) -> None:
+        """Count each drawn token in its row's slot (on the device)."""
+        if self.triton:
+            launch_count(tokens, iparams, self.counts)
+        else:
+            rows = np.nonzero(slots >= 0)[0]
+            s = paddle.to_tensor(slots[rows].astype(np.int64))
+            t = tokens[paddle.to_tensor(rows)].astype("int64")
+            self.counts[s, t] = self.counts[s, t] + 1
+        for s in slots[slots >= 0]:
+            self.tally[s] += 1
+
+    @staticmethod
+    def _top_logprobs(logits: paddle.Tensor, lse: paddle.Tensor, want: list[int]) -> dict[int, dict[int, float]]:
+        """The rows' N most likely raw tokens (top-k on the device; [rows, N] copied back)."""
+        rows = [b for b, n in enumerate(want) if n > 0]
+        if not rows:
+            return {}
+        n = min(max(want), logits.shape[1])
+        idx = paddle.to_tensor(np.asarray(rows, np.int64))
+        vals, ids = paddle.topk(logits[idx].astype("float32"), n, axis=1)
+        vals = (vals - lse[idx].unsqueeze(1)).numpy()
+        ids = ids.numpy()
+        return {
+            b: {int(t): float(v) for t, v in zip(ids[r, : want[b]], vals[r, : want[b]], strict=True)}
+            for r, b in enumerate(rows)
+        }

@@ -1,0 +1,189 @@
+"""The device sampler op (Triton through the interpreter, and its paddle path) against float64
+numpy: the kept set (numpy sampler's ``kept_mask``), the Gumbel draw over it with noise from an
+independent implementation of the documented hash, raw logprobs, and draw distributions."""
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy.model_executor.layers.sampler import adjusted_logits, kept_mask
+from fastdeploy.model_executor.ops.triton_ops.sampling import row_keys, sample_tokens
+from fastdeploy.sampling_params import SamplingState
+
+M32 = 0xFFFFFFFF
+
+
+def fmix32(h: np.ndarray) -> np.ndarray:
+    """murmur3's finalizer on uint64 lanes holding 32-bit values."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & M32
+    return h ^ (h >> 16)
+
+
+def noise64(key: np.ndarray, vocab: int) -> np.ndarray:
+    """float64 Gumbel noise of tokens 0..vocab-1 for one row key (int32 lo, hi)."""
+    lo, hi = (int(k) & M32 for k in key)
+    ids = np.arange(vocab, dtype=np.uint64)
+    h = fmix32(((ids * 0x9E3779B1) & M32) ^ np.uint64(lo))
+    h = fmix32(h ^ np.uint64(hi))
+    u = ((h >> 8).astype(np.float64) + 0.5) / 2**24
+    return -np.log(-np.log(u))
+
+
+class Batch:
+    """Random rows with every sampling feature, as the op's arrays and as SamplingStates."""
+
+    def __init__(self, rng, states, vocab, slots=3):
+        self.B, self.V = len(states), vocab
+        self.states = states
+        self.logits = (rng.standard_normal((self.B, vocab)) * 2.5).astype(np.float32)
+        self.prompts = [rng.integers(0, vocab, 6).tolist() for _ in states]
+        self.outputs = [rng.integers(0, vocab, 5).tolist() for _ in states]
+        self.counts = np.zeros((slots, vocab), np.int32)
+        self.seen = np.zeros((slots, vocab), np.uint8)
+        f = np.zeros((self.B, 8), np.float32)
+        i = np.zeros((self.B, 4), np.int32)
+        nb = max(1, max(len(st.logit_bias) + len(st.min_tokens_stop_ids) for st in states))
+        bias_ids, bias_vals = np.full((self.B, nb), -1, np.int32), np.zeros((self.B, nb), np.float32)
+        nslot = 0
+        for b, st in enumerate(states):
+            f[b, :6] = (
+                st.temperature,
+                st.top_p,
+                st.min_p,
+                st.repetition_penalty,
+                st.presence_penalty,
+                st.frequency_penalty,
+            )
+            i[b, 0] = st.top_k
+            i[b, 1] = -1
+            if st.repetition_penalty != 1 or st.presence_penalty or st.frequency_penalty:
+                i[b, 1] = nslot
+                np.add.at(self.counts[nslot], self.outputs[b], 1)
+                self.seen[nslot, self.prompts[b]] = 1
+                nslot += 1
+            bias = list(st.logit_bias.items())
+            if len(self.outputs[b]) < st.min_tokens:
+                bias += [(t, -np.inf) for t in st.min_tokens_stop_ids]
+            i[b, 2] = len(bias)
+            for j, (t, v) in enumerate(bias):
+                bias_ids[b, j], bias_vals[b, j] = t, v
+        self.f, self.i, self.bias_ids, self.bias_vals = f, i, bias_ids, bias_vals
+        self.keys = row_keys(rng.integers(0, 2**63, self.B, dtype=np.uint64), rng.integers(0, 1000, self.B))
+
+    def run(self, triton, logits=None, kmax=4096):
+        t = paddle.to_tensor
+        out = sample_tokens(
+            t(self.logits if logits is None else logits),
+            t(self.counts),
+            t(self.seen),
+            t(self.f),
+            t(self.i),
+            t(self.keys),
+            t(self.bias_ids),
+            t(self.bias_vals),
+            triton=triton,
+            kmax=kmax,
+        )
+        return out.tokens.numpy(), out.logprobs.numpy(), out.lse.numpy(), out.bad.numpy()
+
+    def want(self, b):
+        """float64: the row's token under the same noise, and its raw logprob."""
+        st, row = self.states[b], self.logits[b].astype(np.float64)
+        out = self.outputs[b] if self.i[b, 1] >= 0 else []
+        prompt = self.prompts[b] if self.i[b, 1] >= 0 else []
+        z = adjusted_logits(row, st, prompt, out)
+        if st.temperature < 1e-5:
+            tok = int(np.argmax(z))
+        else:
+            y, keep = kept_mask(z, st)
+            tok = int(np.argmax(np.where(keep, y + noise64(self.keys[b], self.V), -np.inf)))
+        logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        return tok, logp[tok]
+
+
+def mixed_states(vocab):
+    S = SamplingState
+    return [
+        S(temperature=0.0),
+        S(temperature=0.7, top_p=0.9, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.2),
+        S(temperature=1.0, top_p=0.5, top_k=20, min_p=0.1),
+        S(temperature=1.3, top_k=5, logit_bias={10: 5.0, 11: -3.0}),
+        S(temperature=0.5, top_p=0.95, repetition_penalty=0.8, min_tokens=8, min_tokens_stop_ids=(1, 2)),
+        S(temperature=1.0, min_p=0.02),
+        S(temperature=1.0),
+        S(temperature=0.0, presence_penalty=1.5, logit_bias={vocab - 1: 100.0}),
+        S(temperature=2.0, top_k=1),
+        S(temperature=1e-6, top_p=0.3),
+    ]
+
+
+@pytest.mark.parametrize("triton, kmax", [(True, 4096), (True, 8), (False, 4096)])
+def test_tokens_and_logprobs_match_float64(rng, triton, kmax):
+    """kmax 8 sends most rows through the uncompacted path (the whole row), 4096 compacts."""
+    batch = Batch(rng, mixed_states(700), 700)
+    for _ in range(3):
+        batch.keys = row_keys(rng.integers(0, 2**63, batch.B, dtype=np.uint64), rng.integers(0, 9, batch.B))
+        tokens, logprobs, lse, bad = batch.run(triton, kmax=kmax)
+        for b in range(batch.B):
+            tok, lp = batch.want(b)
+            assert tokens[b] == tok, (b, batch.states[b])
+            assert logprobs[b] == pytest.approx(lp, abs=1e-5)
+        assert not bad.any()
+        row = batch.logits.astype(np.float64)
+        np.testing.assert_allclose(lse, np.log(np.exp(row).sum(1)), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_a_key_draws_the_same_token_in_any_batch(rng, triton):
+    batch = Batch(rng, [SamplingState(temperature=1.0, top_p=0.9)] * 5, 300)
+    tokens = batch.run(triton)[0]
+    for b in range(5):
+        one = Batch(np.random.default_rng(0), [SamplingState(temperature=1.0, top_p=0.9)], 300)
+        one.logits, one.keys = batch.logits[b : b + 1], batch.keys[b : b + 1]
+        assert one.run(triton)[0][0] == tokens[b]
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_top_p_ties_keep_the_lowest_ids(triton):
+    """Four equal tokens, top_p 0.5: exactly tokens 0 and 1 are ever drawn (numpy's rule)."""
+    n = 80
+    logits = np.zeros((n, 6), np.float32)
+    logits[:, 4:] = -50
+    st = SamplingState(temperature=1.0, top_p=0.5)
+    batch = Batch(np.random.default_rng(1), [st] * n, 6)
+    tokens = batch.run(triton, logits=logits)[0]
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_draws_follow_the_reference_distribution(rng):
+    """Chi-square over many keys on a small vocabulary: draws against the numpy sampler's
+    processed probabilities (temperature, min-p, top-k, top-p); df = kept - 1. The paddle path
+    only (the interpreter takes ~0.1 s a row): the Triton kernels draw the same token as the
+    float64 reference for every key in the tests above, so they share this distribution."""
+    triton, vocab, n = False, 12, 3000
+    st = SamplingState(temperature=0.8, top_k=9, top_p=0.97, min_p=0.01)
+    row = rng.standard_normal(vocab) * 1.5
+    batch = Batch(rng, [st] * n, vocab)
+    logits = np.repeat(row[None].astype(np.float32), n, 0)
+    tokens = batch.run(triton, logits=logits)[0]
+    y, keep = kept_mask(logits[0].astype(np.float64), st)
+    p = np.where(keep, np.exp(y - y.max()), 0)
+    p /= p.sum()
+    seen = np.bincount(tokens, minlength=vocab)
+    assert seen[~keep].sum() == 0
+    chi2 = (((seen - n * p) ** 2)[keep] / (n * p[keep])).sum()
+    assert chi2 < 26.1, (chi2, keep.sum())  # chi2(df <= 8) exceeds 26.1 with probability 0.001
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_a_row_that_is_not_finite_is_flagged_alone(rng, triton):
+    batch = Batch(rng, [SamplingState(temperature=0.0)] * 3, 64)
+    logits = batch.logits.copy()
+    logits[1, 7] = np.nan
+    logits[2, 3] = np.inf
+    tokens, _, _, bad = batch.run(triton, logits=logits)
+    assert bad.tolist() == [False, True, True]
+    assert tokens[0] == int(np.argmax(logits[0]))
