@@ -30,12 +30,14 @@ from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (
     F_TOP_P,
     I_SLOT,
     I_TOP_K,
+    KMAX,
     SAMPLING_EPS,
+    gumbel_noise,
     launch_sample,
+    row_keys,
 )
 
-KMAX = 4096  # scratch tokens a row may compact into (docs: sampling_kernel.py)
-_M32 = np.uint32(0xFFFFFFFF)
+__all__ = ["KMAX", "Sampled", "row_keys", "sample_tokens", "sample_tokens_ref"]
 
 
 class Sampled(NamedTuple):
@@ -43,38 +45,6 @@ class Sampled(NamedTuple):
     logprobs: paddle.Tensor  # float32 [B], of the raw row
     lse: paddle.Tensor  # float32 [B], log-sum-exp of the raw row
     bad: paddle.Tensor  # bool [B], the raw row has a NaN or an infinity
-
-
-def _fmix32(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> np.uint32(16))
-    h = h * np.uint32(0x85EBCA6B)
-    h = h ^ (h >> np.uint32(13))
-    h = h * np.uint32(0xC2B2AE35)
-    return h ^ (h >> np.uint32(16))
-
-
-def gumbel_noise(ids: np.ndarray, seeds: np.ndarray) -> np.ndarray:
-    """float32 [B, n] Gumbel(0, 1) noise of token ids [n] (or [B, n]) under each row's key
-    (seeds int32 [B, 2], low and high words): the kernels' generator, in numpy."""
-    s = seeds.astype(np.int64).astype(np.uint32)
-    with np.errstate(over="ignore"):
-        h = _fmix32((np.asarray(ids).astype(np.uint32) * np.uint32(0x9E3779B1)) ^ s[:, :1])
-        h = _fmix32(h ^ s[:, 1:2])
-    u = ((h >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
-    return -np.log(-np.log(u))
-
-
-def row_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """int32 [B, 2]: each row's draw key from its request's 64-bit seed and step (the number of
-    tokens it has generated), mixed by splitmix64's finalizer."""
-    with np.errstate(over="ignore"):
-        x = np.asarray(seeds, np.uint64) ^ (np.asarray(steps, np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    lo = (x & np.uint64(_M32)).astype(np.uint32).view(np.int32)
-    hi = (x >> np.uint64(32)).astype(np.uint32).view(np.int32)
-    return np.stack([lo, hi], axis=1)
 
 
 def sample_tokens(

@@ -17,6 +17,7 @@ One program a row, three launches a step:
 
 from __future__ import annotations
 
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -30,6 +31,40 @@ F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY = range(6
 NUM_F = 8
 I_TOP_K, I_SLOT, I_NUM_BIAS = range(3)
 NUM_I = 4
+KMAX = 4096  # scratch tokens a row may compact into
+_M32 = np.uint32(0xFFFFFFFF)
+
+
+def _fmix32_np(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def gumbel_noise(ids: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """float32 [B, n] Gumbel(0, 1) noise of token ids [n] (or [B, n]) under each row's key
+    (seeds int32 [B, 2], low and high words): the kernels' generator, in numpy."""
+    s = seeds.astype(np.int64).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h = _fmix32_np((np.asarray(ids).astype(np.uint32) * np.uint32(0x9E3779B1)) ^ s[:, :1])
+        h = _fmix32_np(h ^ s[:, 1:2])
+    u = ((h >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    return -np.log(-np.log(u))
+
+
+def row_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """int32 [B, 2]: each row's draw key from its request's 64-bit seed and step (the number of
+    tokens it has generated), mixed by splitmix64's finalizer."""
+    with np.errstate(over="ignore"):
+        x = np.asarray(seeds, np.uint64) ^ (np.asarray(steps, np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    lo = (x & np.uint64(_M32)).astype(np.uint32).view(np.int32)
+    hi = (x >> np.uint64(32)).astype(np.uint32).view(np.int32)
+    return np.stack([lo, hi], axis=1)
 
 
 @triton.jit
