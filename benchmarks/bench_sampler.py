@@ -67,7 +67,7 @@ def torch_sampler(logits, temp, top_k, top_p, gen):
     return idx.gather(1, (p / q).argmax(-1, keepdim=True)).squeeze(1)
 
 
-def case(B: int, sampled: bool, penalties: bool, rng) -> dict:
+def case(B: int, sampled: bool, penalties: bool, rng, block: int = 2048, warps: int = 4) -> dict:
     dev = "cuda"
     logits = torch.from_numpy((rng.standard_normal((B, VOCAB)) * 3).astype(np.float32)).to(dev)
     f = np.zeros((B, 8), np.float32)
@@ -121,6 +121,8 @@ def case(B: int, sampled: bool, penalties: bool, rng) -> dict:
             args["scratch_id"],
             args["tokens"],
             args["logprobs"],
+            block=block,
+            num_warps=warps,
         )
         if penalties:
             launch_count(args["tokens"], args["iparams"], args["counts"])
@@ -177,7 +179,15 @@ def case(B: int, sampled: bool, penalties: bool, rng) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time launch tiles (block x warps) at B 1 / 256")
     a = ap.parse_args()
+    if a.sweep:
+        for block in (512, 1024, 2048, 4096):
+            for warps in (4, 8, 16):
+                r1 = case(1, True, False, np.random.default_rng(0), block, warps)
+                r2 = case(256, True, True, np.random.default_rng(0), block, warps)
+                print(f"block {block} warps {warps}: B=1 {r1['ours_ms']:.3f} ms, B=256 {r2['ours_ms']:.3f} ms")
+        return
     rng = np.random.default_rng(0)
     ceiling = copy_gbs()
     rows = []

@@ -38,7 +38,7 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: lists of them compare by identity
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -64,7 +64,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for req in decodes_first:
-            if req not in self.running or budget == 0:
+            if req.status != RequestStatus.RUNNING or budget == 0:  # preempted above, or no budget
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.bm.allocate(req, n):

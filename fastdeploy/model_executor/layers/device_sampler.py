@@ -72,29 +72,29 @@ class DeviceSampler:
         """The rows' host arrays: fparams float32 [B, 8], iparams int32 [B, 4], seeds int32
         [B, 2], bias_ids int32 / bias_vals float32 [B, NB >= 1]."""
         B = len(reqs)
+        states = [r.sampling_state for r in reqs]
         f = np.zeros((B, NUM_F), np.float32)
         i = np.zeros((B, NUM_I), np.int32)
-        seeds, steps, biases = np.empty(B, np.uint64), np.empty(B, np.uint64), []
+        cols = [F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY]
+        f[:, cols] = [
+            (s.temperature, s.top_p, s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty)
+            for s in states
+        ]
+        i[:, I_TOP_K] = [s.top_k for s in states]
+        i[:, I_SLOT] = -1
+        n_out = [len(r.output_token_ids) for r in reqs]
         in_step = {id(r) for r in reqs}
-        for b, req in enumerate(reqs):
-            st = req.sampling_state
-            n_out = len(req.output_token_ids)
-            f[b, [F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY]] = (
-                st.temperature,
-                st.top_p,
-                st.min_p,
-                st.repetition_penalty,
-                st.presence_penalty,
-                st.frequency_penalty,
-            )
-            i[b, I_TOP_K] = st.top_k
-            i[b, I_SLOT] = self._slot_for(req, in_step) if st.penalized else -1
-            bias = list(st.logit_bias.items())
-            if n_out < st.min_tokens:
+        biases = []
+        for b, (req, st) in enumerate(zip(reqs, states, strict=True)):
+            if st.penalized:
+                i[b, I_SLOT] = self._slot_for(req, in_step)
+            bias = list(st.logit_bias.items()) if st.logit_bias else []
+            if n_out[b] < st.min_tokens:
                 bias += [(t, -np.inf) for t in st.min_tokens_stop_ids]
-            i[b, I_NUM_BIAS] = len(bias)
             biases.append(bias)
-            seeds[b], steps[b] = st.seed, n_out
+        i[:, I_NUM_BIAS] = [len(x) for x in biases]
+        seeds = np.array([s.seed for s in states], np.uint64)
+        steps = np.array(n_out, np.uint64)
         nb = max([1] + [len(x) for x in biases])
         bias_ids = np.full((B, nb), -1, np.int32)
         bias_vals = np.zeros((B, nb), np.float32)

@@ -342,10 +342,12 @@ def launch_sample(
     scratch_id,
     tokens,
     logprobs,
-    block: int = 1024,
+    block: int = 2048,
     num_warps: int = 4,
 ) -> None:
     """Framework-neutral launch of the prepare and select kernels over B = logits.shape[0] rows.
+    Default tile (2048 tokens, 4 warps): the fastest of blocks 512-4096 x warps 4-16 on the H200
+    at B = 1 and 256 (benchmarks/README.md).
 
     logits [B, V] (float32 / bfloat16, rows may be strided); work float32 [B, V]; counts int32
     and seen uint8 [S, V]; fparams float32 [B, 8]; iparams int32 [B, 4]; seeds int32 [B, 2];
