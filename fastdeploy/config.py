@@ -291,11 +291,24 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] = ()  # pure-decode batch buckets, ascending (docs/design.md §4.12)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for k in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, k) <= 0:
                 raise ValueError(f"{k} must be positive, got {getattr(self, k)!r}")
+        sizes = tuple(self.cuda_graph_batch_sizes)
+        if any(not _is_int(n) or not 1 <= n <= self.max_num_seqs for n in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(
+                f"cuda_graph_batch_sizes must be ascending distinct batch sizes in 1..max_num_seqs "
+                f"({self.max_num_seqs}), got {list(sizes)}"
+            )
+
+    def bucket_for(self, n: int) -> int:
+        """The batch size a pure-decode step of n requests runs as: the smallest bucket >= n, or
+        n when none is (no buckets, or more requests than the largest)."""
+        return next((b for b in self.cuda_graph_batch_sizes if b >= n), n)
 
 
 @dataclass

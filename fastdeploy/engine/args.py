@@ -27,6 +27,7 @@ from fastdeploy.config import (
     resolve_quantization,
 )
 from fastdeploy.model_executor.kernel_select import KERNEL_BACKENDS, select_kernels
+from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode
 from fastdeploy.model_executor.tiny_checkpoint import TINY_PRESET, resolve_model
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -78,6 +79,12 @@ class EngineArgs:
         "fp8 when Triton kernels run, else none",
         QUANTIZATIONS,
     )
+    cuda_graph_batch_sizes: str | None = setting(
+        None,
+        "comma-separated batch sizes a pure-decode step is padded up to (each captured as a CUDA graph on a CUDA "
+        "build of paddle); None: 1, 2, 4, then multiples of 8 up to max_num_seqs on CUDA, none on CPU; '' none",
+    )
+    enforce_eager: bool = setting(False, "never capture CUDA graphs (buckets still pad decode batches)")
     mla_prefill_form: str = setting(
         "auto",
         "how prefill tokens attend: mha (keys decompressed, 192/128 wide per head), absorbed (MQA over the "
@@ -105,6 +112,10 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 max_model_len=self.max_model_len,
+                cuda_graph_batch_sizes=batch_sizes(
+                    self.cuda_graph_batch_sizes, self.max_num_seqs, kernels.triton and not interpret_mode()
+                ),
+                enforce_eager=self.enforce_eager,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, dist_timeout=self.dist_timeout
@@ -115,6 +126,21 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def batch_sizes(text: str | None, max_num_seqs: int, on_cuda: bool) -> tuple[int, ...]:
+    """``--cuda-graph-batch-sizes``: the listed sizes, or (None) vLLM's ladder on CUDA: 1, 2, 4,
+    then every multiple of 8, up to max_num_seqs (always included); none on CPU."""
+    if text is None:
+        if not on_cuda:
+            return ()
+        return tuple(
+            sorted({n for n in [1, 2, 4, *range(8, max_num_seqs + 1, 8)] if n <= max_num_seqs} | {max_num_seqs})
+        )
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"cuda_graph_batch_sizes must be comma-separated integers, got {text!r}") from None
 
 
 def _flag_type(hint: Any) -> type:

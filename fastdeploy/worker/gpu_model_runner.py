@@ -122,9 +122,12 @@ class GPUModelRunner:
         )
 
     def allocate_caches(self, num_blocks: dict[str, int]) -> list[paddle.Tensor]:
-        """One cache a layer, of its group's pool size, in its backend's layout."""
+        """One cache a layer, of its group's pool size plus the null block (the last, id
+        ``num_blocks[g]``: padding rows of a bucketed decode step write and read only it; no pool
+        ever hands it out), in its backend's layout."""
         bs = self.block_size
-        caches = [paddle.zeros(s.shape(num_blocks[s.group], bs), dtype=s.dtype) for s in self.kv_specs]
+        self.null_block = dict(num_blocks)
+        caches = [paddle.zeros(s.shape(num_blocks[s.group] + 1, bs), dtype=s.dtype) for s in self.kv_specs]
         per_block = group_bytes_per_block(self.kv_specs, bs)
         for g, layers in self.fd.model_config.kv_cache_groups.items():
             logger.info(
@@ -152,6 +155,14 @@ class GPUModelRunner:
             for g, rows in tables.items():
                 rows.append(req.block_tables[g])
         samples_at = [i for i, (req, n) in enumerate(scheduled) if req.num_computed_tokens + n == req.num_tokens]
+        if not any(enc):  # a pure-decode step runs as its bucket: padding rows of one token at
+            # position 0 whose every table is the null block; they never sample
+            pad = self.fd.scheduler_config.bucket_for(len(scheduled)) - len(scheduled)
+            ids += [0] * pad
+            enc += [0] * pad
+            dec += [0] * pad
+            for g, rows in tables.items():
+                rows += [[self.null_block[g]]] * pad
         return {
             "input_ids": ids,
             "seq_lens_encoder": enc,

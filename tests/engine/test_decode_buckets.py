@@ -1,0 +1,200 @@
+"""Pure-decode steps padded to a bucket (``cuda_graph_batch_sizes``) change nothing: two engines
+run the same requests in lockstep, one padded, one not, and after every step their tokens, top
+logprobs, pool counts and every real KV block agree; padding rows touch only the null block.
+float32 GEMMs over another batch size round the last bits differently: one step's logits agree
+to 1e-5; over many steps that rounding feeds back through the KV, so KV and logprobs agree to
+1e-3 (a padding row writing a real block would differ by O(1)); tokens exactly. Covers window
+crossings (sequences >= 2W + a block, W = 32, block 16), SWA block release, preemption, prefix
+hits and an n > 1 sibling; and the decode step never syncs the host."""
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.config import SchedulerConfig
+from fastdeploy.engine.args import batch_sizes
+
+
+def engines(model_dir, **kw):
+    common = dict(block_size=16, max_num_seqs=8, enable_prefix_caching=True, max_model_len=192, **kw)
+    return LLM(model_dir, cuda_graph_batch_sizes="4,8", **common).engine, LLM(
+        model_dir, cuda_graph_batch_sizes="", **common
+    ).engine
+
+
+def add(eng, prompt, rid, after=None, **kw):
+    sp = SamplingParams(max_tokens=kw.pop("max_tokens", 14), temperature=0.0, ignore_eos=True, logprobs=3, **kw)
+    req = eng.make_request(prompt, sp, rid)
+    if after is not None:
+        req.prefill_after = eng.requests[after]
+    eng.enqueue(req)
+
+
+def same_state(a, b):
+    for g, pool in a.block_manager.pools.items():
+        other = b.block_manager.pools[g]
+        assert pool.num_free == other.num_free and list(pool.ref_cnt) == list(other.ref_cnt), g
+    for spec, ca, cb in zip(a.runner.kv_specs, a.runner.caches, b.runner.caches, strict=True):
+        n = a.runner.num_blocks[spec.group]  # the real blocks; the null block is the last
+        x, y = ca[:n].numpy(), cb[:n].numpy()
+        if x.dtype == np.uint8:  # FP8 records: a GEMM of another batch size may round a code the other way
+            assert (x != y).mean() < 1e-3
+        else:  # float32 GEMMs of another batch size differ in the last bits
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-3)
+
+
+def test_padding_changes_no_token_logprob_count_or_block(tiny_model_dir, rng):
+    """A full pool of 14 blocks forces preemptions."""
+    blocks = 14
+    padded, plain = engines(tiny_model_dir, num_gpu_blocks_override=blocks)
+    shared = [int(x) for x in rng.integers(2, 500, 40)]
+    plan = {  # step -> requests arriving then: (id, prompt, sibling of)
+        0: [("a", [int(x) for x in rng.integers(2, 500, 85)], None), ("b", shared + [7, 8, 9], None)],
+        2: [("c", [int(x) for x in rng.integers(2, 500, 5)], None)],
+        5: [("d", shared + [11, 12], None), ("e", [int(x) for x in rng.integers(2, 500, 33)], None)],
+        6: [("e2", None, "e")],
+    }
+    prompts = {}
+    padded_steps = 0
+    for step in range(60):
+        for rid, prompt, after in plan.get(step, []):
+            prompt = prompts[after] if after else prompt
+            prompts[rid] = prompt
+            for eng in (padded, plain):
+                add(eng, prompt, rid, after)
+        if not padded.has_unfinished_requests() and step > 6:
+            break
+        sched_before = padded.scheduler.running[:]
+        out_a, out_b = padded.step(), plain.step()
+        if sched_before and all(r.num_computed_tokens == r.num_tokens - 1 for r in sched_before):
+            padded_steps += len(sched_before) not in (4, 8)
+        assert [(o.request_id, o.outputs[0].token_ids) for o in out_a] == [
+            (o.request_id, o.outputs[0].token_ids) for o in out_b
+        ]
+        for oa, ob in zip(out_a, out_b, strict=True):
+            for la, lb in zip(oa.outputs[0].logprobs, ob.outputs[0].logprobs, strict=True):
+                assert la.keys() == lb.keys()
+                np.testing.assert_allclose(list(la.values()), list(lb.values()), rtol=0, atol=1e-3)
+        same_state(padded, plain)
+    assert not padded.has_unfinished_requests() and not plain.has_unfinished_requests()
+    assert padded_steps > 0  # some decode steps really ran padded
+    assert padded.num_preemptions > 0 and padded.num_preemptions == plain.num_preemptions
+    assert padded.block_manager.prefix_hits > 0
+    for pool in padded.block_manager.pools.values():
+        assert pool.num_free == pool.num_blocks
+
+
+def test_padding_rows_run_as_the_bucket_and_write_the_null_block(tiny_model_dir, rng):
+    """Three decodes run as the bucket of 4; the padding row's KV lands in the null block (zero
+    until then), which no pool hands out."""
+    padded, _ = engines(tiny_model_dir)
+    runner = padded.runner
+    rows = []
+    inner = runner.run_step
+
+    def run_step(step):
+        rows.append((len(step["seq_lens_encoder"]), len(step["samples_at"])))
+        return inner(step)
+
+    runner.run_step = run_step
+    for i in range(3):
+        add(padded, [int(x) for x in rng.integers(2, 500, 20 + i)], f"r{i}", max_tokens=4)
+    while padded.has_unfinished_requests():
+        padded.step()
+    assert (4, 3) in rows
+    for spec, cache in zip(runner.kv_specs, runner.caches, strict=True):
+        null = runner.null_block[spec.group]
+        assert null == runner.num_blocks[spec.group] == cache.shape[0] - 1
+        assert np.abs(cache[null].astype("float32").numpy()).sum() > 0
+        pool = padded.block_manager.pools[spec.group]
+        assert pool.num_free == pool.num_blocks and max(pool.free) < null  # never handed out
+
+
+def test_one_padded_step_gives_the_same_logits(tiny_model_dir, rng):
+    """The same decode step run at its own size and padded to a bucket: logits within 1e-5."""
+    eng = LLM(tiny_model_dir, block_size=16, max_num_seqs=8, cuda_graph_batch_sizes="").engine
+    for i in range(3):
+        add(eng, [int(x) for x in rng.integers(2, 500, 20 + i)], f"r{i}", max_tokens=3)
+    eng.step()  # the prefills
+    runner, sched = eng.runner, [(r, 1) for r in eng.scheduler.running]
+    for req, _ in sched:
+        eng.block_manager.allocate(req, 1)
+    plain = runner.step_inputs(sched)
+    eng.config.scheduler_config.cuda_graph_batch_sizes = (4,)
+    padded = runner.step_inputs(sched)
+    assert len(plain["input_ids"]) == 3 and len(padded["input_ids"]) == 4 and padded["samples_at"] == [0, 1, 2]
+    want = runner.run_step(plain).numpy().astype(np.float64)
+    np.testing.assert_allclose(runner.run_step(padded).numpy(), want, rtol=0, atol=1e-5)
+
+
+def test_bucket_settings():
+    assert batch_sizes(None, 40, on_cuda=True) == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert batch_sizes(None, 12, on_cuda=True) == (1, 2, 4, 8, 12)
+    assert batch_sizes(None, 64, on_cuda=False) == ()
+    assert batch_sizes("8, 2,4", 8, on_cuda=False) == (2, 4, 8)
+    assert SchedulerConfig(max_num_seqs=8, cuda_graph_batch_sizes=(2, 4)).bucket_for(3) == 4
+    assert SchedulerConfig(max_num_seqs=8, cuda_graph_batch_sizes=(2, 4)).bucket_for(5) == 5
+    with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
+        SchedulerConfig(max_num_seqs=8, cuda_graph_batch_sizes=(4, 16))
+    with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
+        batch_sizes("4,x", 8, on_cuda=False)
+
+
+class NoHostSync:
+    """Inside it, a paddle tensor converted to the host raises (numpy, item, tolist, truth value,
+    int, float)."""
+
+    names = ("numpy", "item", "tolist", "__bool__", "__int__", "__float__", "__array__")
+
+    def __enter__(self):
+        self.saved = {n: getattr(paddle.Tensor, n) for n in self.names}
+
+        def refuse(name):
+            def f(*a, **k):
+                raise AssertionError(f"host sync inside the decode step: Tensor.{name}")
+
+            return f
+
+        for n in self.names:
+            setattr(paddle.Tensor, n, refuse(n))
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(paddle.Tensor, n, f)
+
+
+def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch):
+    """Steady padded decode steps with the Triton kernels (interpreter): the forward and the
+    sampler's device op run with every tensor-to-host conversion raising."""
+    from fastdeploy.model_executor.layers import device_sampler
+
+    eng = LLM(tiny_model_dir, block_size=16, max_num_seqs=4, kernel_backend="triton", cuda_graph_batch_sizes="4").engine
+    model = eng.runner.model
+    guarded = {"forward": 0, "sample": 0}
+    forward, sample_tokens = model.forward, device_sampler.sampling.sample_tokens
+
+    def forward_guarded(meta, *a, **k):
+        if not meta.seq_lens_encoder.any():  # a pure-decode step (host lengths: no sync)
+            guarded["forward"] += 1
+            with NoHostSync():
+                return forward(meta, *a, **k)
+        return forward(meta, *a, **k)
+
+    def sample_guarded(*a, **k):
+        guarded["sample"] += 1
+        with NoHostSync():
+            return sample_tokens(*a, **k)
+
+    monkeypatch.setattr(model, "forward", forward_guarded)
+    monkeypatch.setattr(device_sampler.sampling, "sample_tokens", sample_guarded)
+    for i, kw in enumerate([{}, {"temperature": 0.8, "top_p": 0.9, "top_k": 20}, {"repetition_penalty": 1.2}]):
+        sp = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2, **{"temperature": 0.0, **kw})
+        eng.add_request([int(x) for x in rng.integers(2, 500, 10 + i)], sp, f"r{i}")
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            assert o.outputs[0].finish_reason != "error", o.error
+            outs[o.request_id] = o
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs.values()) and len(outs) == 3
+    assert guarded["forward"] >= 3 and guarded["sample"] >= 4
