@@ -1,0 +1,381 @@
+"""H200: one DeepSeek-V3 decoder layer's decode step made of the project's kernels in the order the
+model launches them (``SWA_LAYER`` / ``FULL_LAYER``; a CPU test checks these lists against the
+tiny model's own launches), at TP 1 and TP 8 shapes, batch 1-256, context 4K and 32K: eager
+(Python launching every kernel), CUDA-graph replay, and the sum of its kernel times (profiler).
+Projected to 61 layers plus the LM head and the device sampler (timed here too) as time per
+output token and tokens/s per GPU. torch CUDA tensors (no paddle on the GPU host); FP8 weights
+(W8A8 block GEMM, fused MoE), bf16 activations; the norms, rotary, absorption matmuls, router
+and the full layer's bf16 cache write are torch ops, as paddle ops are in the model. Not timed:
+TP all-reduces (two a layer), the embedding.
+
+    python benchmarks/bench_decode_step.py [--json OUT] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: E402
+    launch_act_quant,
+    launch_w8a8_gemm,
+    tuned_config,
+)
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import block_m_for, launch_moe_gemm  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import launch_write_mla_fp8_cache  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (  # noqa: E402
+    CUT_DEPTHS,
+    KMAX,
+    launch_sample,
+    row_keys,
+)
+from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa: E402
+    default_num_splits,
+    launch_sparse_mla,
+)
+from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import tuned_config as mla_config  # noqa: E402
+
+# The Triton kernels of one layer's decode step, in launch order (``_combine_kernel`` follows the
+# sparse MLA kernel when it splits the keys; small-M GEMMs quantize their input inside).
+ATTN_SWA = ["_w8a8_gemm_kernel"] * 3 + ["_write_kernel", "_sparse_mla_kernel", "_w8a8_gemm_kernel"]
+ATTN_FULL = ["_w8a8_gemm_kernel"] * 3 + ["_sparse_mla_kernel", "_w8a8_gemm_kernel"]
+MLP = ["_w8a8_gemm_kernel"] * 3  # gate, up, down
+MOE = ["_act_quant_kernel", "_moe_gemm_kernel", "_act_quant_kernel", "_moe_gemm_kernel"] + MLP  # + shared expert
+SWA_LAYER, FULL_LAYER = ATTN_SWA + MOE, ATTN_FULL + MOE
+STEP_START = ["_swa_indexer_kernel", "_swa_indexer_kernel"]  # the step plans' window indices
+STEP_END = ["_prepare_kernel", "_select_kernel"]  # the device sampler
+
+DEV = "cuda"
+HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V = 7168, 1536, 512, 64, 128, 128
+EXPERTS, TOPK, MOE_INTER, SHARED_INTER, VOCAB, LAYERS = 256, 8, 2048, 2048, 129280, 61
+
+
+def fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 255, (n, k), device=DEV, dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x30  # no NaN codes
+    scales = torch.rand(-(-n // 128), -(-k // 128), device=DEV, generator=g) * 2e-3 + 1e-3
+    return codes, scales
+
+
+class Linear8:
+    """y [M, N] bf16 = x [M, K] bf16 through the W8A8 block GEMM, as ``fp8_gemm`` runs it."""
+
+    def __init__(self, n: int, k: int, m: int, g: torch.Generator) -> None:
+        self.w, self.ws = fp8_weight(n, k, g)
+        self.cfg = tuned_config(m, n, k)
+        self.out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+        self.a = torch.empty(m, k, device=DEV, dtype=torch.uint8)
+        self.a_s = torch.empty(m, -(-k // 128), device=DEV)
+        sk = self.cfg["split_k"]
+        self.part = torch.empty(sk, m, n, device=DEV) if sk > 1 else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.get("fuse_quant"):
+            a, a_s = x, None
+        else:
+            launch_act_quant(x, self.a, self.a_s)
+            a, a_s = self.a, self.a_s
+        if self.part is None:
+            launch_w8a8_gemm(a, a_s, self.w, self.ws, self.out, self.cfg)
+            return self.out
+        launch_w8a8_gemm(a, a_s, self.w, self.ws, self.part, self.cfg)
+        return self.part.sum(0).to(torch.bfloat16)
+
+
+def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(torch.bfloat16)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    even, odd = xf[..., 0::2], xf[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], -1).to(x.dtype)
+
+
+def moe_align(ids: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_moe.moe_align`` in torch ops: tokens sorted by expert, padded to blocks of bm."""
+    flat = ids.flatten().long()
+    n = flat.numel()
+    counts = torch.zeros(EXPERTS, device=DEV, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + bm - 1) // bm * bm
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    skey = flat[order]
+    dest = (ends - padded)[skey] + torch.arange(n, device=DEV) - (counts.cumsum(0) - counts)[skey]
+    P = -(-(n + EXPERTS * (bm - 1)) // bm) * bm
+    sorted_ids = torch.full((P,), n, device=DEV, dtype=torch.long)
+    sorted_ids[dest] = order
+    expert = torch.searchsorted(ends // bm, torch.arange(P // bm, device=DEV), right=True)
+    return sorted_ids.int(), torch.where(expert < EXPERTS, expert, -1).int()
+
+
+class Layer:
+    """One decoder layer (MLA + MoE) at TP ``tp`` for a decode batch of B tokens, each at ``ctx``
+    positions of context; ``swa``: attends over the last ``window`` through the FP8 cache, else
+    over all ``ctx`` through a bf16 cache."""
+
+    def __init__(self, B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Generator) -> None:
+        H = 128 // tp
+        self.B, self.H, self.swa = B, H, swa
+        self.q_a = Linear8(Q_LORA, HIDDEN, B, g)
+        self.q_b = Linear8(H * (NOPE + ROPE), Q_LORA, B, g)
+        self.kv_a = Linear8(KV_LORA + ROPE, HIDDEN, B, g)
+        self.o = Linear8(HIDDEN, H * V, B, g)
+        inter = MOE_INTER // tp
+        self.w1, self.w1s = fp8_weight(EXPERTS * inter, HIDDEN, g)
+        self.w3, self.w3s = fp8_weight(EXPERTS * inter, HIDDEN, g)
+        self.w2, self.w2s = fp8_weight(EXPERTS * HIDDEN, inter, g)
+        self.w1, self.w3 = self.w1.view(EXPERTS, inter, HIDDEN), self.w3.view(EXPERTS, inter, HIDDEN)
+        self.w1s, self.w3s = self.w1s.view(EXPERTS, -1, HIDDEN // 128), self.w3s.view(EXPERTS, -1, HIDDEN // 128)
+        self.w2, self.w2s = self.w2.view(EXPERTS, HIDDEN, inter), self.w2s.view(EXPERTS, HIDDEN // 128, -1)
+        self.inter = inter
+        self.shared_gate = Linear8(SHARED_INTER // tp, HIDDEN, B, g)
+        self.shared_up = Linear8(SHARED_INTER // tp, HIDDEN, B, g)
+        self.shared_down = Linear8(HIDDEN, SHARED_INTER // tp, B, g)
+        self.router = (torch.randn(EXPERTS, HIDDEN, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+        self.norms = [torch.rand(n, device=DEV, generator=g) + 0.5 for n in (HIDDEN, Q_LORA, KV_LORA, HIDDEN)]
+        self.w_uk = (torch.randn(H, NOPE, KV_LORA, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+        self.w_uv = (torch.randn(H, KV_LORA, V, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+        self.cos = torch.rand(B, ROPE // 2, device=DEV, generator=g)
+        self.sin = torch.rand(B, ROPE // 2, device=DEV, generator=g)
+        # the cache: B requests' contexts laid out one after another, slots = positions
+        n_slots = B * ctx + 1
+        topk = window if swa else ctx
+        if swa:
+            self.cache = torch.randint(0, 120, (n_slots, 656), device=DEV, dtype=torch.uint8, generator=g)
+            self.cache[:, 512:528] = torch.tensor([0, 0, 128, 59] * 4, dtype=torch.uint8, device=DEV)  # scales ~4e-3
+        else:
+            self.cache = (torch.randn(n_slots, 576, device=DEV, generator=g) * 0.1).to(torch.bfloat16)
+        base = torch.arange(B, device=DEV).unsqueeze(1) * ctx
+        self.indices = (base + ctx - topk + torch.arange(topk, device=DEV).unsqueeze(0)).int().contiguous()
+        self.slots = (base[:, 0] + ctx - 1).int()
+        self.scale = 1.0 / math.sqrt(NOPE + ROPE)
+        cfg = mla_config(B, H)
+        self.splits = default_num_splits(B, H, topk, cfg["block_h"], cfg["block_n"])
+        self.attn_out = torch.empty(B, H, KV_LORA, device=DEV, dtype=torch.bfloat16)
+        self.lse = torch.empty(B, H, device=DEV)
+        self.partial = torch.empty(B, self.splits, H, KV_LORA, device=DEV) if self.splits > 1 else None
+        self.partial_lse = torch.empty(B, self.splits, H, device=DEV) if self.splits > 1 else None
+        N = B * TOPK
+        self.bm = block_m_for(N, EXPERTS)
+        self.xc = torch.empty(B, HIDDEN, device=DEV, dtype=torch.uint8)
+        self.xs = torch.empty(B, HIDDEN // 128, device=DEV)
+        self.h = torch.empty(N, inter, device=DEV, dtype=torch.bfloat16)
+        self.hc = torch.empty(N, inter, device=DEV, dtype=torch.uint8)
+        self.hs = torch.empty(N, inter // 128, device=DEV)
+        self.y = torch.empty(N, HIDDEN, device=DEV)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        B, H = self.B, self.H
+        h = rms(x, self.norms[0])
+        q = self.q_b(rms(self.q_a(h), self.norms[1])).view(B, H, NOPE + ROPE)
+        kv_a = self.kv_a(h)
+        kv_c = rms(kv_a[:, :KV_LORA], self.norms[2])
+        q_pe = rope(q[:, :, NOPE:], self.cos.unsqueeze(1), self.sin.unsqueeze(1))
+        k_pe = rope(kv_a[:, KV_LORA:], self.cos, self.sin)
+        q_lat = torch.bmm(q[:, :, :NOPE].transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, 512]
+        qa = torch.cat([q_lat, q_pe], -1).contiguous()
+        if self.swa:
+            launch_write_mla_fp8_cache(kv_c, k_pe, self.slots, self.cache)
+        else:
+            self.cache[self.slots.long()] = torch.cat([kv_c, k_pe], -1)
+        launch_sparse_mla(
+            qa,
+            self.cache,
+            self.indices,
+            self.attn_out,
+            self.lse,
+            self.scale,
+            num_splits=self.splits,
+            partial=self.partial,
+            partial_lse=self.partial_lse,
+        )
+        o = torch.bmm(self.attn_out.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(B, H * V)
+        x = x + self.o(o.contiguous())
+        h = rms(x, self.norms[3])
+        scores = (h @ self.router.T).float().sigmoid()
+        wts, ids = scores.topk(TOPK, dim=-1)
+        sorted_ids, block_expert = moe_align(ids, self.bm)
+        launch_act_quant(h, self.xc, self.xs)
+        N = B * TOPK
+        launch_moe_gemm(
+            self.xc,
+            self.w1,
+            self.h,
+            sorted_ids,
+            block_expert,
+            N,
+            TOPK,
+            self.bm,
+            a_s=self.xs,
+            ws1=self.w1s,
+            w3=self.w3,
+            ws3=self.w3s,
+        )
+        launch_act_quant(self.h, self.hc, self.hs)
+        self.y.zero_()
+        top_w = (wts / wts.sum(-1, keepdim=True)).flatten().contiguous()
+        launch_moe_gemm(
+            self.hc, self.w2, self.y, sorted_ids, block_expert, N, TOPK, self.bm, a_s=self.hs, ws1=self.w2s, top_w=top_w
+        )
+        gate, up = self.shared_gate(h), self.shared_up(h)
+        shared = self.shared_down((torch.nn.functional.silu(gate.float()) * up.float()).to(torch.bfloat16))
+        return x + self.y.view(B, TOPK, HIDDEN).sum(1).to(torch.bfloat16) + shared
+
+
+def events_ms(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def kernel_sum_ms(fn, iters: int = 5) -> float:
+    """Sum of the GPU kernels' own times a call (profiler), no gaps between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.self_device_time_total for e in prof.key_averages())
+    return total / 1e3 / iters
+
+
+def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Generator) -> dict:
+    layer = Layer(B, tp, ctx, swa, window, g)
+    x = (torch.randn(B, HIDDEN, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+    out = layer(x)
+    finite = bool(torch.isfinite(out.float()).all())
+    eager = events_ms(lambda: layer(x))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        layer(x)
+    replay = events_ms(graph.replay)
+    ksum = kernel_sum_ms(lambda: layer(x))
+    graph = layer = None  # free the weights and caches before the next case
+    torch.cuda.empty_cache()
+    return {
+        "B": B,
+        "tp": tp,
+        "ctx": ctx,
+        "kind": "swa" if swa else "full",
+        "eager_ms": eager,
+        "graph_ms": replay,
+        "kernel_sum_ms": ksum,
+        "graph_speedup": eager / replay,
+        "graph_vs_kernel_sum": replay / ksum,
+        "finite": finite,
+    }
+
+
+def head_and_sampler_ms(B: int, tp: int, g: torch.Generator) -> float:
+    """The LM head (bf16, vocab split over TP) and the device sampler (full vocab) at batch B."""
+    w = (torch.randn(VOCAB // tp, HIDDEN, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(B, HIDDEN, device=DEV, generator=g).to(torch.bfloat16)
+    logits = torch.randn(B, VOCAB, device=DEV, generator=g)
+    f = torch.zeros(B, 8, device=DEV)
+    f[:, 0], f[:, 1], f[:, 3] = 0.8, 0.9, 1.0
+    i = torch.zeros(B, 4, device=DEV, dtype=torch.int32)
+    i[:, 0], i[:, 1] = 50, -1
+    keys = torch.from_numpy(row_keys(np.arange(B, dtype=np.uint64), np.zeros(B, np.uint64))).to(DEV)
+    bufs = [
+        torch.empty(B, VOCAB, device=DEV),
+        torch.zeros(1, VOCAB, device=DEV, dtype=torch.int32),
+        torch.zeros(1, VOCAB, device=DEV, dtype=torch.uint8),
+        f,
+        i,
+        keys,
+        torch.full((B, 1), -1, device=DEV, dtype=torch.int32),
+        torch.zeros(B, 1, device=DEV),
+        torch.tensor(CUT_DEPTHS, device=DEV),
+        torch.empty(B, 4, device=DEV),
+        torch.empty(B, device=DEV, dtype=torch.int32),
+        torch.empty(B, KMAX, device=DEV),
+        torch.empty(B, KMAX, device=DEV, dtype=torch.int32),
+        torch.empty(B, device=DEV, dtype=torch.int32),
+        torch.empty(B, device=DEV),
+    ]
+
+    def step():
+        x @ w.T
+        launch_sample(logits, bufs[0], *bufs[1:])
+
+    return events_ms(step)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--window", type=int, default=2048, help="SWA layers' window")
+    ap.add_argument("--swa-fraction", type=float, default=0.5, help="share of the 61 layers that are SWA")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    batches = (1, 8, 64) if a.quick else (1, 8, 32, 128, 256)
+    rows, proj = [], []
+    print("| TP | B | ctx | layer | eager ms | graph ms | kernel sum ms | eager/graph | graph/kernel sum |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for tp in (1, 8):
+        for ctx in (4096, 32768):
+            for B in batches:
+                if B * ctx > 256 * 4096 * 4 and tp == 1:
+                    continue  # cache over 20 GB: skipped at TP 1
+                per = {}
+                for swa in (True, False):
+                    r = layer_case(B, tp, ctx, swa, a.window, g)
+                    rows.append(r)
+                    per[r["kind"]] = r
+                    print(
+                        f"| {tp} | {B} | {ctx} | {r['kind']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
+                        f"{r['kernel_sum_ms']:.3f} | {r['graph_speedup']:.2f} | {r['graph_vs_kernel_sum']:.2f} |",
+                        flush=True,
+                    )
+                tail = head_and_sampler_ms(B, tp, g)
+                f = a.swa_fraction
+                layer_ms = f * per["swa"]["graph_ms"] + (1 - f) * per["full"]["graph_ms"]
+                tpot = LAYERS * layer_ms + tail
+                proj.append(
+                    {
+                        "tp": tp,
+                        "B": B,
+                        "ctx": ctx,
+                        "tpot_ms": tpot,
+                        "tok_s_per_gpu": B / tpot * 1e3 / tp,
+                        "tail_ms": tail,
+                    }
+                )
+    print("\nProjected decode (61 layers, graph replay, + LM head and sampler; no all-reduce):")
+    print("| TP | B | ctx | ms / output token | tokens/s per GPU |")
+    print("|---|---|---|---|---|")
+    for p in proj:
+        print(f"| {p['tp']} | {p['B']} | {p['ctx']} | {p['tpot_ms']:.2f} | {p['tok_s_per_gpu']:.0f} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"layers": rows, "projection": proj, "window": a.window, "swa_fraction": a.swa_fraction}, fh)
+
+
+if __name__ == "__main__":
+    main()
