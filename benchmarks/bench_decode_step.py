@@ -332,8 +332,23 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2048, help="SWA layers' window")
     ap.add_argument("--swa-fraction", type=float, default=0.5, help="share of the 61 layers that are SWA")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--breakdown", default=None, metavar="TP,B,CTX,KIND", help="print one layer's kernel times")
     a = ap.parse_args()
     g = torch.Generator(device=DEV).manual_seed(0)
+    if a.breakdown:
+        tp, B, ctx, kind = a.breakdown.split(",")
+        layer = Layer(int(B), int(tp), int(ctx), kind == "swa", a.window, g)
+        x = (torch.randn(int(B), HIDDEN, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+        from torch.profiler import ProfilerActivity, profile
+
+        layer(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                layer(x)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+        return
     batches = (1, 8, 64) if a.quick else (1, 8, 32, 128, 256)
     rows, proj = [], []
     print("| TP | B | ctx | layer | eager ms | graph ms | kernel sum ms | eager/graph | graph/kernel sum |")
