@@ -35,6 +35,7 @@ from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (  # noqa: 
     CUT_DEPTHS,
     KMAX,
     launch_sample,
+    num_chunks,
     row_keys,
 )
 from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa: E402
@@ -51,7 +52,7 @@ MLP = ["_w8a8_gemm_kernel"] * 3  # gate, up, down
 MOE = ["_act_quant_kernel", "_moe_gemm_kernel", "_act_quant_kernel", "_moe_gemm_kernel"] + MLP  # + shared expert
 SWA_LAYER, FULL_LAYER = ATTN_SWA + MOE, ATTN_FULL + MOE
 STEP_START = ["_swa_indexer_kernel", "_swa_indexer_kernel"]  # the step plans' window indices
-STEP_END = ["_prepare_kernel", "_select_kernel"]  # the device sampler
+STEP_END = ["_prepare_kernel", "_cuts_kernel", "_compact_kernel", "_draw_kernel"]  # the device sampler
 
 DEV = "cuda"
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V = 7168, 1536, 512, 64, 128, 128
@@ -317,6 +318,8 @@ def head_and_sampler_ms(B: int, tp: int, g: torch.Generator) -> float:
         torch.empty(B, KMAX, device=DEV, dtype=torch.int32),
         torch.empty(B, device=DEV, dtype=torch.int32),
         torch.empty(B, device=DEV),
+        torch.empty(B, num_chunks(B, VOCAB, 2048), 8, device=DEV),
+        torch.empty(B, num_chunks(B, VOCAB, 2048), 34, device=DEV),
     ]
 
     def step():

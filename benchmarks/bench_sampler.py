@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from fastdeploy.model_executor.layers.sampler import sample
+from fastdeploy.model_executor.ops.triton_ops import sampling_kernel
 from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (
     CUT_DEPTHS,
     KMAX,
     launch_count,
-    launch_sample,
     row_keys,
 )
 from fastdeploy.sampling_params import SamplingState
@@ -67,7 +67,7 @@ def torch_sampler(logits, temp, top_k, top_p, gen):
     return idx.gather(1, (p / q).argmax(-1, keepdim=True)).squeeze(1)
 
 
-def case(B: int, sampled: bool, penalties: bool, rng, block: int = 2048, warps: int = 4) -> dict:
+def case(B: int, sampled: bool, penalties: bool, rng, block: int = 2048, warps: int = 4, before=None) -> dict:
     dev = "cuda"
     logits = torch.from_numpy((rng.standard_normal((B, VOCAB)) * 3).astype(np.float32)).to(dev)
     f = np.zeros((B, 8), np.float32)
@@ -103,31 +103,23 @@ def case(B: int, sampled: bool, penalties: bool, rng, block: int = 2048, warps: 
         logprobs=torch.empty(B, dtype=torch.float32, device=dev),
     )
 
-    def ours():
-        launch_sample(
-            logits,
-            args["work"],
-            args["counts"],
-            args["seen"],
-            args["fparams"],
-            args["iparams"],
-            args["seeds"],
-            args["bias_ids"],
-            args["bias_vals"],
-            args["depths"],
-            args["stats"],
-            args["argmax"],
-            args["scratch_y"],
-            args["scratch_id"],
-            args["tokens"],
-            args["logprobs"],
-            block=block,
-            num_warps=warps,
-        )
+    C = sampling_kernel.num_chunks(B, VOCAB, block)
+    part = torch.empty((B, C, 8), dtype=torch.float32, device=dev)
+    cuts = torch.empty((B, C, 34), dtype=torch.float32, device=dev)
+    names = ["work", "counts", "seen", "fparams", "iparams", "seeds", "bias_ids", "bias_vals", "depths"]
+    names += ["stats", "argmax", "scratch_y", "scratch_id", "tokens", "logprobs"]
+
+    def run(mod):
+        extra = (part, cuts) if hasattr(mod, "num_chunks") else ()
+        mod.launch_sample(logits, *(args[k] for k in names), *extra, block=block, num_warps=warps)
         if penalties:
             launch_count(args["tokens"], args["iparams"], args["counts"])
 
+    def ours():
+        run(sampling_kernel)
+
     ours_ms = timed(ours)
+    before_ms = timed(lambda: run(before)) if before is not None else float("nan")
     # correctness on the device: greedy = arg-max; sampled tokens inside torch's top-50 / top-0.9 set
     args["counts"].zero_()
     ours()
@@ -169,6 +161,7 @@ def case(B: int, sampled: bool, penalties: bool, rng, block: int = 2048, warps: 
         "sampled": sampled,
         "penalties": penalties,
         "ours_ms": ours_ms,
+        "before_ms": before_ms,
         "ours_GBs": nbytes / ours_ms / 1e6,
         "torch_ms": torch_ms,
         "host_numpy_ms": host_ms,
@@ -179,8 +172,17 @@ def case(B: int, sampled: bool, penalties: bool, rng, block: int = 2048, warps: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--before", default=None, help="a file with an earlier sampling_kernel.py, timed beside")
     ap.add_argument("--sweep", action="store_true", help="time launch tiles (block x warps) at B 1 / 256")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times at B 256, sampled with penalties")
     a = ap.parse_args()
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            case(256, True, True, np.random.default_rng(0))
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=40))
+        return
     if a.sweep:
         for block in (512, 1024, 2048, 4096):
             for warps in (4, 8, 16):
@@ -189,19 +191,27 @@ def main() -> None:
                 print(f"block {block} warps {warps}: B=1 {r1['ours_ms']:.3f} ms, B=256 {r2['ours_ms']:.3f} ms")
         return
     rng = np.random.default_rng(0)
+    before = None
+    if a.before:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("sampling_kernel_before", a.before)
+        before = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(before)
     ceiling = copy_gbs()
     rows = []
     print(f"device copy: {ceiling:.0f} GB/s")
     print(
-        "| B | sampled | penalties | ours ms | ours GB/s (>=3 passes) | torch sort ms | host numpy ms (before) | ok |"
+        "| B | sampled | penalties | ours ms | ours GB/s (3 passes) | before ms | torch sort ms | host numpy ms | ok |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for B in (1, 32, 256):
         for sampled, pen in ((False, False), (True, False), (True, True)):
-            r = case(B, sampled, pen, rng)
+            r = case(B, sampled, pen, rng, before=before)
             rows.append(r)
             print(
-                f"| {B} | {sampled} | {pen} | {r['ours_ms']:.3f} | {r['ours_GBs']:.0f} | {r['torch_ms']:.3f} | "
+                f"| {B} | {sampled} | {pen} | {r['ours_ms']:.3f} | {r['ours_GBs']:.0f} | {r['before_ms']:.3f} | "
+                f"{r['torch_ms']:.3f} | "
                 f"{r['host_numpy_ms']:.1f} | {r['checked']} |"
             )
     if a.json:

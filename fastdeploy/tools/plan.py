@@ -33,7 +33,7 @@ from fastdeploy.config import (
 )
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
-from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, plan_kv_blocks
+from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, plan_kv_blocks, pool_budget
 
 
 def held_bytes(fd: FDConfig, dtype: str, tp_size: int, quantization: str) -> int:
@@ -68,7 +68,8 @@ def plan(fd: FDConfig, dtype: str, memory_bytes: float, fp8_checkpoint: bool = F
         if weights is None:
             continue
         budget = memory_bytes * fd.cache_config.gpu_memory_utilization - weights
-        blocks = plan_kv_blocks(fd, per_block, budget) if budget > 0 else {g: 0 for g in per_block}
+        pools = pool_budget(budget, per_block)
+        blocks = plan_kv_blocks(fd, per_block, pools) if pools > 0 else {g: 0 for g in per_block}
         out[f"kv_budget_bytes_{key}"] = budget
         out[f"kv_blocks_{key}"] = blocks
         out[f"kv_tokens_{key}"] = {g: n * bs for g, n in blocks.items()}

@@ -84,9 +84,15 @@ def plan_kv_blocks(fd: FDConfig, per_block: dict[str, int], budget: float) -> di
     return {FULL_GROUP: max(1, full), SWA_GROUP: max(1, swa)}
 
 
+def pool_budget(budget: float, per_block: dict[str, int]) -> float:
+    """The KV budget left for the pools: each group's null block comes off it (§4.11)."""
+    return budget - sum(per_block.values())
+
+
 def num_blocks_for(fd: FDConfig, specs: Sequence[KVSpec]) -> dict[str, int]:
     """Each group's pool size from the memory budget and each group's real bytes per block."""
-    return plan_kv_blocks(fd, group_bytes_per_block(specs, fd.cache_config.block_size), kv_budget_bytes(fd))
+    per_block = group_bytes_per_block(specs, fd.cache_config.block_size)
+    return plan_kv_blocks(fd, per_block, pool_budget(kv_budget_bytes(fd), per_block))
 
 
 class GPUModelRunner:

@@ -147,8 +147,9 @@ def test_cache_allocation_per_layer_and_budget(tiny_model_dir):
         per_block = {"full": 16 * full_bytes * (mc.num_hidden_layers - n_swa), "swa": 16 * 656 * n_swa}
         assert group_bytes_per_block(specs, 16) == per_block
         # the SWA pool holds 64 requests' windows + chunks (ceil((32 - 1 + 2048) / 16) + 1 blocks each) and
-        # the full pool the rest, unless that leaves fewer full blocks than SWA ones: then they are equal
-        budget, swa = 512 * 2**20, 64 * (-(-(32 - 1 + 2048) // 16) + 1)
+        # the full pool the rest, unless that leaves fewer full blocks than SWA ones: then they are equal;
+        # one block of each group (the null blocks) comes off the budget first
+        budget, swa = 512 * 2**20 - per_block["full"] - per_block["swa"], 64 * (-(-(32 - 1 + 2048) // 16) + 1)
         rest = (budget - swa * per_block["swa"]) // per_block["full"]
         equal = budget // (per_block["full"] + per_block["swa"])
         assert (rest < swa) == (quant == "auto")  # float32 full layers leave too little

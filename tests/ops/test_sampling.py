@@ -73,7 +73,7 @@ class Batch:
         self.f, self.i, self.bias_ids, self.bias_vals = f, i, bias_ids, bias_vals
         self.keys = row_keys(rng.integers(0, 2**63, self.B, dtype=np.uint64), rng.integers(0, 1000, self.B))
 
-    def run(self, triton, logits=None, kmax=4096):
+    def run(self, triton, logits=None, kmax=4096, block=2048):
         t = paddle.to_tensor
         out = sample_tokens(
             t(self.logits if logits is None else logits),
@@ -86,6 +86,7 @@ class Batch:
             t(self.bias_vals),
             triton=triton,
             kmax=kmax,
+            block=block,
         )
         return out.tokens.numpy(), out.logprobs.numpy(), out.lse.numpy(), out.bad.numpy()
 
@@ -120,13 +121,16 @@ def mixed_states(vocab):
     ]
 
 
-@pytest.mark.parametrize("triton, kmax", [(True, 4096), (True, 8), (False, 4096)])
-def test_tokens_and_logprobs_match_float64(rng, triton, kmax):
-    """kmax 8 sends most rows through the uncompacted path (the whole row), 4096 compacts."""
+@pytest.mark.parametrize(
+    "triton, kmax, block", [(True, 4096, 2048), (True, 4096, 128), (True, 8, 128), (False, 4096, 0)]
+)
+def test_tokens_and_logprobs_match_float64(rng, triton, kmax, block):
+    """kmax 8 sends most rows through the uncompacted path (the whole row), 4096 compacts;
+    block 128 splits each 700-token row into 6 chunks (partials merged), 2048 keeps it whole."""
     batch = Batch(rng, mixed_states(700), 700)
     for _ in range(3):
         batch.keys = row_keys(rng.integers(0, 2**63, batch.B, dtype=np.uint64), rng.integers(0, 9, batch.B))
-        tokens, logprobs, lse, bad = batch.run(triton, kmax=kmax)
+        tokens, logprobs, lse, bad = batch.run(triton, kmax=kmax, block=block or 2048)
         for b in range(batch.B):
             tok, lp = batch.want(b)
             assert tokens[b] == tok, (b, batch.states[b])
@@ -138,12 +142,14 @@ def test_tokens_and_logprobs_match_float64(rng, triton, kmax):
 
 @pytest.mark.parametrize("triton", [True, False])
 def test_a_key_draws_the_same_token_in_any_batch(rng, triton):
+    """Also across chunkings: a batch of 5 splits 300-token rows into 3 chunks of 128, a batch of
+    one into 3 as well but with other partial sums; the draw does not move."""
     batch = Batch(rng, [SamplingState(temperature=1.0, top_p=0.9)] * 5, 300)
-    tokens = batch.run(triton)[0]
+    tokens = batch.run(triton, block=128)[0]
     for b in range(5):
         one = Batch(np.random.default_rng(0), [SamplingState(temperature=1.0, top_p=0.9)], 300)
         one.logits, one.keys = batch.logits[b : b + 1], batch.keys[b : b + 1]
-        assert one.run(triton)[0][0] == tokens[b]
+        assert one.run(triton, block=2048)[0][0] == tokens[b]
 
 
 @pytest.mark.parametrize("triton", [True, False])
@@ -184,6 +190,6 @@ def test_a_row_that_is_not_finite_is_flagged_alone(rng, triton):
     logits = batch.logits.copy()
     logits[1, 7] = np.nan
     logits[2, 3] = np.inf
-    tokens, _, _, bad = batch.run(triton, logits=logits)
+    tokens, _, _, bad = batch.run(triton, logits=logits, block=16)
     assert bad.tolist() == [False, True, True]
     assert tokens[0] == int(np.argmax(logits[0]))

@@ -27,9 +27,10 @@ def test_planner_matches_the_runner(tiny_model_dir, capsys):
     assert res["weights_held_bytes"] == held
     assert res["kv_blocks_held"] == runner.num_blocks
     groups = fd.model_config.kv_cache_groups
-    for g, layers in groups.items():  # bytes a token x tokens = the cache tensors of the group
+    bs = fd.cache_config.block_size
+    for g, layers in groups.items():  # bytes a token x (tokens + the null block) = the group's caches
         allocated = sum(nbytes(runner.caches[i]) for i in layers)
-        assert res["kv_bytes_per_token"][g] * res["kv_tokens_held"][g] == allocated
+        assert res["kv_bytes_per_token"][g] * (res["kv_tokens_held"][g] + bs) == allocated
     # TP 2: rank 0's planned weights are those of a real rank-0 shard
     rank0 = DeepseekV3ForCausalLM(fd.model_config, "float32", KernelConfig(), TPGroup(rank=0, world_size=2))
     assert planner.weight_bytes(fd, "float32", 2, False)["held"] == sum(nbytes(p) for p in rank0.parameters())

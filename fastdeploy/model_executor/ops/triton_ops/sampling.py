@@ -34,6 +34,7 @@ from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (
     SAMPLING_EPS,
     gumbel_noise,
     launch_sample,
+    num_chunks,
     row_keys,
 )
 
@@ -59,11 +60,13 @@ def sample_tokens(
     *,
     triton: bool,
     kmax: int = KMAX,
+    block: int = 2048,
 ) -> Sampled:
     """logits float32 / bfloat16 [B, V]; counts int32 and seen uint8 [S, V]; fparams float32
     [B, 8] and iparams int32 [B, 4] (column names in ``sampling_kernel.py``); seeds int32 [B, 2]
     (``row_keys``); bias_ids int32 / bias_vals float32 [B, NB >= 1] (id -1: unused; the first
-    iparams[:, I_NUM_BIAS] of a row are used)."""
+    iparams[:, I_NUM_BIAS] of a row are used). ``kmax`` and ``block`` (tokens a kernel loop step)
+    are the Triton kernels' tuning."""
     if not triton:
         return sample_tokens_ref(logits, counts, seen, fparams, iparams, seeds, bias_ids, bias_vals)
     B, V = logits.shape
@@ -75,6 +78,9 @@ def sample_tokens(
     tokens = paddle.empty([B], "int32")
     logprobs = paddle.empty([B], "float32")
     depths = paddle.to_tensor(np.asarray(CUT_DEPTHS, np.float32))
+    C = num_chunks(B, V, block)
+    part = paddle.empty([B, C, 8], "float32")
+    cuts = paddle.empty([B, C, 34], "float32")
     launch_sample(
         logits,
         work,
@@ -92,6 +98,9 @@ def sample_tokens(
         scratch_id,
         tokens,
         logprobs,
+        part,
+        cuts,
+        block=block,
     )
     return Sampled(tokens, logprobs, stats[:, 0], stats[:, 3] > 0)
 

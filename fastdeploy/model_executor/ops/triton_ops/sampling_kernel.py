@@ -1,18 +1,21 @@
 """Triton kernels of the device sampler (contract in ``sampling.py``); paddle-free.
 
-One program a row, three launches a step:
+Each row is split into chunks so that small batches still fill the GPU; five launches a step:
 
-1. ``_prepare_kernel`` (one pass over the vocabulary): the raw row's log-sum-exp and finiteness,
-   penalties from the row's count tables, logit bias, temperature; writes the processed logits
-   ``y`` and their max, sum of exp and arg-max.
-2. ``_select_kernel``: the kept set (min-p, then top-k, then top-p, ties by token id) and a
-   Gumbel-max draw over it. A first pass measures count and mass above 16 cut points below the
-   max; the highest cut that provably keeps every kept token and leaves at most KMAX tokens above
-   it lets a second pass compact those tokens into a scratch row, and the exact selections (radix
-   selects over order-preserving integer keys, 4 bits a round) then run over the scratch instead
-   of the vocabulary. Rows where no cut qualifies (flat distributions) run the same selections
+1. ``_prepare_kernel`` (row, chunk): the raw logits' max / sum of exp and finiteness, penalties
+   from the row's count tables, logit bias, temperature; writes the processed logits ``y`` and
+   the chunk's partial max, sum of exp and arg-max.
+2. ``_cuts_kernel`` (row, chunk): combines the row's partials (chunk 0 stores the row's stats),
+   then counts tokens and sums their mass above 16 cut points below the max and above the min-p
+   cut.
+3. ``_compact_kernel`` (row, chunk): picks the highest cut that provably keeps every kept token
+   (min-p, top-k, top-p) with at most KMAX tokens above it, and writes the chunk's tokens above
+   it into the row's scratch at the chunk's offset (token order kept).
+4. ``_draw_kernel`` (row): exact selections by radix select over order-preserving integer keys,
+   4 bits a round (the top-k threshold, then the top-p one, ties at its edge by token id), and a
+   Gumbel-max draw, over the scratch; rows where no cut qualified (flat distributions) run them
    over the whole row.
-3. ``_count_kernel``: the chosen token counted in the row's output-count table.
+5. ``_count_kernel`` (row): the chosen token counted in the row's output-count table.
 """
 
 from __future__ import annotations
@@ -113,14 +116,16 @@ def _prepare_kernel(
     iparams_ptr,
     bias_ids_ptr,
     bias_vals_ptr,
-    stats_ptr,
-    argmax_ptr,
+    part_ptr,
     V,
     NB,
+    CHUNK,
     EPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    S = tl.num_programs(1)
     temp = tl.load(fparams_ptr + b * 8 + 0)
     rep = tl.load(fparams_ptr + b * 8 + 3)
     pres = tl.load(fparams_ptr + b * 8 + 4)
@@ -129,6 +134,7 @@ def _prepare_kernel(
     nbias = tl.load(iparams_ptr + b * 4 + 2)
     inv_t = tl.where(temp < EPS, 1.0, 1.0 / tl.maximum(temp, EPS))  # greedy rows: the arg-max of z
     lim = tl.where(slot >= 0, V, 0)  # no slot: nothing loaded, counts read as 0
+    end = tl.minimum(V, (c + 1) * CHUNK)
     m_raw = float("-inf")
     s_raw = 0.0
     m_y = float("-inf")
@@ -136,16 +142,16 @@ def _prepare_kernel(
     best = float("-inf")
     best_i = 0
     bad = 0
-    for start in range(0, V, BLOCK):
+    for start in range(c * CHUNK, end, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        ok = offs < V
+        ok = offs < end
         x = tl.load(logits_ptr + b * logits_stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
         bad += tl.sum((ok & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.int32), 0)
         m_raw, s_raw = _online(m_raw, s_raw, x)
         # repetition over prompt and output (divide positives, multiply the rest); presence once
         # and frequency per occurrence over the output
-        cnt = tl.load(counts_ptr + slot * V + offs, mask=offs < lim, other=0)
-        seen = tl.load(seen_ptr + slot * V + offs, mask=offs < lim, other=0)
+        cnt = tl.load(counts_ptr + slot * V + offs, mask=ok & (offs < lim), other=0)
+        seen = tl.load(seen_ptr + slot * V + offs, mask=ok & (offs < lim), other=0)
         z = tl.where((cnt > 0) | (seen != 0), tl.where(x > 0, x / rep, x * rep), x)
         z = z - tl.where(cnt > 0, pres + freq * cnt.to(tl.float32), 0.0)
         for j in range(nbias):  # logit_bias, and -inf for tokens banned under min_tokens
@@ -158,15 +164,178 @@ def _prepare_kernel(
         bi = start + tl.argmax(y, 0)
         best_i = tl.where(bm > best, bi, best_i)
         best = tl.maximum(best, bm)
-    tl.store(stats_ptr + b * 4 + 0, m_raw + tl.log(s_raw))
-    tl.store(stats_ptr + b * 4 + 1, m_y)
-    tl.store(stats_ptr + b * 4 + 2, s_y)
-    tl.store(stats_ptr + b * 4 + 3, bad.to(tl.float32))
-    tl.store(argmax_ptr + b, best_i.to(tl.int32))
+    p = part_ptr + (b * S + c) * 8
+    tl.store(p + 0, m_raw)
+    tl.store(p + 1, s_raw)
+    tl.store(p + 2, m_y)
+    tl.store(p + 3, s_y)
+    tl.store(p + 4, best)
+    tl.store(p + 5, bad.to(tl.float32))
+    tl.store(p + 6, best_i.to(tl.float32))  # < 2^24: exact
 
 
 @triton.jit
-def _radix_select(src_ptr, n, floor_key, m, target, BY_MASS: tl.constexpr, BLOCK: tl.constexpr):
+def _merge(m, s, m2, s2):
+    """Two (max, sum exp(. - max)) pairs as one."""
+    nm = tl.maximum(m, m2)
+    ref = tl.where(nm == float("-inf"), 0.0, nm)
+    return nm, s * tl.exp(m - ref) + s2 * tl.exp(m2 - ref)
+
+
+@triton.jit
+def _row_stats(part_ptr, b, S):
+    """A row's (lse of the raw logits, max and sum of y, non-finite count, arg-max) from its
+    chunks' partials; the first of equal maxima wins."""
+    m_raw = float("-inf")
+    s_raw = 0.0
+    m_y = float("-inf")
+    s_y = 0.0
+    best = float("-inf")
+    best_i = 0.0
+    bad = 0.0
+    for c in range(S):
+        p = part_ptr + (b * S + c) * 8
+        m_raw, s_raw = _merge(m_raw, s_raw, tl.load(p + 0), tl.load(p + 1))
+        m_y, s_y = _merge(m_y, s_y, tl.load(p + 2), tl.load(p + 3))
+        bv = tl.load(p + 4)
+        best_i = tl.where(bv > best, tl.load(p + 6), best_i)
+        best = tl.maximum(best, bv)
+        bad += tl.load(p + 5)
+    return m_raw + tl.log(s_raw), m_y, s_y, bad, best_i.to(tl.int32)
+
+
+@triton.jit
+def _cuts(m, min_p, depths_ptr):
+    """The 16 cut points (raised to the min-p cut) and the min-p cut, in y units."""
+    cm = tl.where(min_p > 0, m + tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
+    return tl.maximum(m - tl.load(depths_ptr + tl.arange(0, 16)), cm), cm
+
+
+@triton.jit
+def _cuts_kernel(
+    work_ptr,
+    fparams_ptr,
+    depths_ptr,
+    part_ptr,
+    cuts_ptr,
+    stats_ptr,
+    argmax_ptr,
+    V,
+    CHUNK,
+    EPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    S = tl.num_programs(1)
+    lse, m, s_y, bad, best_i = _row_stats(part_ptr, b, S)
+    if c == 0:
+        tl.store(stats_ptr + b * 4 + 0, lse)
+        tl.store(stats_ptr + b * 4 + 1, m)
+        tl.store(stats_ptr + b * 4 + 2, s_y)
+        tl.store(stats_ptr + b * 4 + 3, bad)
+        tl.store(argmax_ptr + b, best_i)
+    if tl.load(fparams_ptr + b * 8 + 0) >= EPS:
+        cuts, cm = _cuts(m, tl.load(fparams_ptr + b * 8 + 2), depths_ptr)
+        # [16, TILE] accumulators, reduced once at the end: no cross-thread sums in the loop
+        acc_cnt = tl.zeros([16, TILE], tl.float32)
+        acc_mass = tl.zeros([16, TILE], tl.float32)
+        acc_cnt_m = tl.zeros([TILE], tl.float32)
+        acc_mass_m = tl.zeros([TILE], tl.float32)
+        end = tl.minimum(V, (c + 1) * CHUNK)
+        for start in range(c * CHUNK, end, TILE):
+            offs = start + tl.arange(0, TILE)
+            y = tl.load(work_ptr + b * V + offs, mask=offs < end, other=float("-inf"))
+            e = tl.exp(y - m)
+            ge = y[None, :] >= cuts[:, None]
+            acc_cnt += ge.to(tl.float32)
+            acc_mass += tl.where(ge, e[None, :], 0.0)
+            acc_cnt_m += (y >= cm).to(tl.float32)
+            acc_mass_m += tl.where(y >= cm, e, 0.0)
+        cnt = tl.sum(acc_cnt, 1)
+        mass = tl.sum(acc_mass, 1)
+        cnt_m = tl.sum(acc_cnt_m, 0)
+        mass_m = tl.sum(acc_mass_m, 0)
+        q = cuts_ptr + (b * S + c) * 34
+        tl.store(q + tl.arange(0, 16), cnt)
+        tl.store(q + 16 + tl.arange(0, 16), mass)
+        tl.store(q + 32, cnt_m)
+        tl.store(q + 33, mass_m)
+
+
+@triton.jit
+def _plan(cuts_ptr, fparams_ptr, iparams_ptr, depths_ptr, stats_ptr, b, S, KMAX):
+    """A sampled row's candidate cut from its chunks' counts: (index of the cut, 16 = the min-p
+    cut; the cut; tokens above it; whether they fit the scratch; whether top-k applies; the
+    mass above the min-p cut)."""
+    top_p = tl.load(fparams_ptr + b * 8 + 1)
+    top_k = tl.load(iparams_ptr + b * 4 + 0)
+    cuts, cm = _cuts(tl.load(stats_ptr + b * 4 + 1), tl.load(fparams_ptr + b * 8 + 2), depths_ptr)
+    jc = tl.arange(0, 16)
+    cnt = tl.zeros([16], tl.float32)
+    mass = tl.zeros([16], tl.float32)
+    cnt_m = 0.0
+    mass_m = 0.0
+    for c in range(S):
+        q = cuts_ptr + (b * S + c) * 34
+        cnt += tl.load(q + jc)
+        mass += tl.load(q + 16 + jc)
+        cnt_m += tl.load(q + 32)
+        mass_m += tl.load(q + 33)
+    k_on = (top_k > 0) & (top_k.to(tl.float32) < cnt_m)
+    # a cut is safe when every kept token lies above it: top-k keeps >= k above it, or (no
+    # top-k) the mass above it already reaches top_p of the min-p set, or it is the min-p cut
+    safe = (cuts <= cm) | (k_on & (cnt >= top_k.to(tl.float32)))
+    safe = safe | ((k_on == 0) & (top_p < 1.0) & (mass >= top_p * mass_m))
+    jsel = tl.min(tl.where(safe, jc, 16), 0)
+    cstar = tl.where(jsel < 16, tl.sum(tl.where(jc == jsel, cuts, 0.0), 0), cm)
+    count = tl.where(jsel < 16, tl.sum(tl.where(jc == jsel, cnt, 0.0), 0), cnt_m)
+    return jsel, cstar, count, count <= KMAX, k_on, mass_m, cm
+
+
+@triton.jit
+def _compact_kernel(
+    work_ptr,
+    fparams_ptr,
+    iparams_ptr,
+    depths_ptr,
+    stats_ptr,
+    cuts_ptr,
+    scratch_y_ptr,
+    scratch_id_ptr,
+    V,
+    KMAX,
+    CHUNK,
+    EPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    S = tl.num_programs(1)
+    if tl.load(fparams_ptr + b * 8 + 0) >= EPS:
+        jsel, cstar, count, compact, k_on, mass_m, cm = _plan(
+            cuts_ptr, fparams_ptr, iparams_ptr, depths_ptr, stats_ptr, b, S, KMAX
+        )
+        if compact:
+            base = 0.0  # tokens above the cut in the chunks before this one
+            for i in range(c):
+                q = cuts_ptr + (b * S + i) * 34
+                base += tl.where(jsel < 16, tl.load(q + jsel.to(tl.int64) % 16), tl.load(q + 32))
+            pos0 = base.to(tl.int32)
+            end = tl.minimum(V, (c + 1) * CHUNK)
+            for start in range(c * CHUNK, end, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                y = tl.load(work_ptr + b * V + offs, mask=offs < end, other=float("-inf"))
+                sel = y >= cstar
+                pos = pos0 + tl.cumsum(sel.to(tl.int32), 0) - 1
+                tl.store(scratch_y_ptr + b * KMAX + pos, y, mask=sel)
+                tl.store(scratch_id_ptr + b * KMAX + pos, offs, mask=sel)
+                pos0 += tl.sum(sel.to(tl.int32), 0)
+
+
+@triton.jit
+def _radix_select(src_ptr, n, floor_key, m, target, BY_MASS: tl.constexpr, TILE: tl.constexpr):
     """The largest key K with measure(key >= max(K, floor_key)) >= target over src[0:n], where the
     measure counts tokens or sums exp(y - m) (BY_MASS); built 4 bits a round from the top."""
     j16 = tl.arange(0, 16).to(tl.int64)
@@ -174,9 +343,9 @@ def _radix_select(src_ptr, n, floor_key, m, target, BY_MASS: tl.constexpr, BLOCK
     for r in range(8):
         shift = 28 - 4 * r
         cand = ans + (j16 << shift)
-        acc = tl.zeros([16], tl.float32)
-        for start in range(0, n, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        acc = tl.zeros([16, TILE], tl.float32)  # reduced once a round
+        for start in range(0, n, TILE):
+            offs = start + tl.arange(0, TILE)
             y = tl.load(src_ptr + offs, mask=offs < n, other=float("-inf"))
             kk = _key(y)
             valid = (offs < n) & (kk >= floor_key)
@@ -184,13 +353,13 @@ def _radix_select(src_ptr, n, floor_key, m, target, BY_MASS: tl.constexpr, BLOCK
                 w = tl.where(valid, tl.exp(y - m), 0.0)
             else:
                 w = valid.to(tl.float32)
-            acc += tl.sum(tl.where(kk[None, :] >= cand[:, None], w[None, :], 0.0), 1)
-        ans = ans + (tl.max(tl.where(acc >= target, j16, 0), 0) << shift)
+            acc += tl.where(kk[None, :] >= cand[:, None], w[None, :], 0.0)
+        ans = ans + (tl.max(tl.where(tl.sum(acc, 1) >= target, j16, 0), 0) << shift)
     return ans
 
 
 @triton.jit
-def _select_kernel(
+def _draw_kernel(
     work_ptr,
     logits_ptr,
     logits_stride,
@@ -200,70 +369,39 @@ def _select_kernel(
     depths_ptr,
     stats_ptr,
     argmax_ptr,
+    cuts_ptr,
     scratch_y_ptr,
     scratch_id_ptr,
     tokens_ptr,
     logprobs_ptr,
     V,
     KMAX,
+    S,
     EPS: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     temp = tl.load(fparams_ptr + b * 8 + 0)
     top_p = tl.load(fparams_ptr + b * 8 + 1)
-    min_p = tl.load(fparams_ptr + b * 8 + 2)
     top_k = tl.load(iparams_ptr + b * 4 + 0)
     seed_lo = tl.load(seeds_ptr + b * 2).to(tl.uint32, bitcast=True)
     seed_hi = tl.load(seeds_ptr + b * 2 + 1).to(tl.uint32, bitcast=True)
     m = tl.load(stats_ptr + b * 4 + 1)
     tok = tl.load(argmax_ptr + b)
     if temp >= EPS:
-        wrow = work_ptr + b * V
-        cm = tl.where(min_p > 0, m + tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
-        # pass 1: count and mass above each cut (raised to the min-p cut) and above the min-p cut
-        jc = tl.arange(0, 16)
-        cuts = tl.maximum(m - tl.load(depths_ptr + jc), cm)
-        cnt = tl.zeros([16], tl.float32)
-        mass = tl.zeros([16], tl.float32)
-        cnt_m = 0.0
-        mass_m = 0.0
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            y = tl.load(wrow + offs, mask=offs < V, other=float("-inf"))
-            e = tl.exp(y - m)
-            ge = y[None, :] >= cuts[:, None]
-            cnt += tl.sum(ge.to(tl.float32), 1)
-            mass += tl.sum(tl.where(ge, e[None, :], 0.0), 1)
-            cnt_m += tl.sum((y >= cm).to(tl.float32), 0)
-            mass_m += tl.sum(tl.where(y >= cm, e, 0.0), 0)
-        k_on = (top_k > 0) & (top_k.to(tl.float32) < cnt_m)
-        # a cut is safe when every kept token lies above it: top-k keeps >= k above it, or (no
-        # top-k) the mass above it already reaches top_p of the min-p set, or it is the min-p cut
-        safe = (cuts <= cm) | (k_on & (cnt >= top_k.to(tl.float32)))
-        safe = safe | ((k_on == 0) & (top_p < 1.0) & (mass >= top_p * mass_m))
-        jsel = tl.min(tl.where(safe, jc, 16), 0)
-        cstar = tl.where(jsel < 16, tl.sum(tl.where(jc == jsel, cuts, 0.0), 0), cm)
-        count = tl.where(jsel < 16, tl.sum(tl.where(jc == jsel, cnt, 0.0), 0), cnt_m)
-        compact = count <= KMAX
-        if compact:  # pass 2: the tokens above the cut, in token order, into the scratch row
-            base = 0
-            for start in range(0, V, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                y = tl.load(wrow + offs, mask=offs < V, other=float("-inf"))
-                sel = y >= cstar
-                pos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
-                tl.store(scratch_y_ptr + b * KMAX + pos, y, mask=sel)
-                tl.store(scratch_id_ptr + b * KMAX + pos, offs, mask=sel)
-                base += tl.sum(sel.to(tl.int32), 0)
+        jsel, cstar, count, compact, k_on, mass_m, cm = _plan(
+            cuts_ptr, fparams_ptr, iparams_ptr, depths_ptr, stats_ptr, b, S, KMAX
+        )
+        if compact:
             src = scratch_y_ptr + b * KMAX
-            n = base
+            n = count.to(tl.int32)
         else:
-            src = wrow
+            src = work_ptr + b * V
             n = V
         t1 = _key(cm)
         if k_on:  # the k-th largest (ties at it all kept, as z >= kth)
-            t1 = tl.maximum(t1, _radix_select(src, n, t1, m, top_k.to(tl.float32), False, BLOCK))
+            t1 = tl.maximum(t1, _radix_select(src, n, t1, m, top_k.to(tl.float32), False, TILE))
         s1 = mass_m  # the mass top-p is a share of: above the min-p cut, or of the top k
         if k_on:  # every token of the top k is in src (src holds all above a cut below the k-th)
             s1 = 0.0
@@ -275,7 +413,7 @@ def _select_kernel(
         n_ties = 2147483647
         if top_p < 1.0:  # smallest prefix by mass reaching top_p; ties at its edge by token id
             target = top_p * s1
-            fkey = _radix_select(src, n, t1, m, target, True, BLOCK)
+            fkey = _radix_select(src, n, t1, m, target, True, TILE)
             mass_gt = 0.0
             tie_mass = 0.0
             tie_cnt = 0.0
@@ -292,7 +430,6 @@ def _select_kernel(
             n_ties = tl.minimum(tl.maximum(need, 1.0), tl.maximum(tie_cnt, 1.0)).to(tl.int32)
         # draw: Gumbel-max over the kept tokens (first of equal scores: token order)
         best = float("-inf")
-        tok = tl.load(argmax_ptr + b)
         ties = 0
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -325,6 +462,18 @@ def _count_kernel(tokens_ptr, iparams_ptr, counts_ptr, V):
         tl.store(ptr, tl.load(ptr) + 1)
 
 
+def chunk_size(B: int, V: int, block: int) -> int:
+    """Tokens of a row a program takes: enough programs for ~512 in all (4 per SM of an H200),
+    at most 64 a row, a whole number of blocks each."""
+    want = max(1, min(64, triton.cdiv(512, max(B, 1))))
+    return triton.cdiv(triton.cdiv(V, want), block) * block
+
+
+def num_chunks(B: int, V: int, block: int) -> int:
+    """Chunks a row is split into (the partials' second dimension)."""
+    return triton.cdiv(V, chunk_size(B, V, block))
+
+
 def launch_sample(
     logits,
     work,
@@ -342,27 +491,33 @@ def launch_sample(
     scratch_id,
     tokens,
     logprobs,
+    part,
+    cuts,
     block: int = 2048,
     num_warps: int = 4,
 ) -> None:
-    """Framework-neutral launch of the prepare and select kernels over B = logits.shape[0] rows.
-    Default tile (2048 tokens, 4 warps): the fastest of blocks 512-4096 x warps 4-16 on the H200
-    at B = 1 and 256 (benchmarks/README.md).
+    """Framework-neutral launch of the sampler's kernels over B = logits.shape[0] rows.
 
     logits [B, V] (float32 / bfloat16, rows may be strided); work float32 [B, V]; counts int32
     and seen uint8 [S, V]; fparams float32 [B, 8]; iparams int32 [B, 4]; seeds int32 [B, 2];
     bias_ids int32 / bias_vals float32 [B, NB]; depths float32 [16]; stats float32 [B, 4];
-    argmax int32 [B]; scratch_y float32 / scratch_id int32 [B, KMAX]; tokens int32 [B] and
-    logprobs float32 [B] are written."""
+    argmax int32 [B]; scratch_y float32 / scratch_id int32 [B, KMAX]; part float32 [B, C, 8] and
+    cuts float32 [B, C, 34] with C = ``num_chunks(B, V, block)`` chunks a row (the partials);
+    tokens int32 [B] and logprobs float32 [B] are written."""
     B, V = int(logits.shape[0]), int(logits.shape[1])
     if B == 0:
         return
+    chunk = chunk_size(B, V, block)
+    C = triton.cdiv(V, chunk)
+    if int(part.shape[1]) != C or int(cuts.shape[1]) != C:
+        raise ValueError(f"part / cuts need num_chunks(B, V, block) = {C} chunks a row")
     ls = stride(logits, 0)
-    nb = int(bias_ids.shape[1])
     kmax = int(scratch_y.shape[1])
+    meta = {"EPS": SAMPLING_EPS, "BLOCK": block, "num_warps": num_warps}
+    tiled = {**meta, "TILE": min(block, 256)}  # the 16-way passes' tile width
     launch(
         _prepare_kernel,
-        (B,),
+        (B, C),
         logits,
         ls,
         work,
@@ -372,16 +527,31 @@ def launch_sample(
         iparams,
         bias_ids,
         bias_vals,
-        stats,
-        argmax,
+        part,
         V,
-        nb,
-        EPS=SAMPLING_EPS,
-        BLOCK=block,
-        num_warps=num_warps,
+        int(bias_ids.shape[1]),
+        chunk,
+        **meta,
+    )
+    launch(_cuts_kernel, (B, C), work, fparams, depths, part, cuts, stats, argmax, V, chunk, **tiled)
+    launch(
+        _compact_kernel,
+        (B, C),
+        work,
+        fparams,
+        iparams,
+        depths,
+        stats,
+        cuts,
+        scratch_y,
+        scratch_id,
+        V,
+        kmax,
+        chunk,
+        **meta,
     )
     launch(
-        _select_kernel,
+        _draw_kernel,
         (B,),
         work,
         logits,
@@ -392,15 +562,15 @@ def launch_sample(
         depths,
         stats,
         argmax,
+        cuts,
         scratch_y,
         scratch_id,
         tokens,
         logprobs,
         V,
         kmax,
-        EPS=SAMPLING_EPS,
-        BLOCK=block,
-        num_warps=num_warps,
+        C,
+        **tiled,
     )
 
 
