@@ -124,3 +124,13 @@ def test_penalties_bias_and_min_tokens_against_the_formulas(rng):
 def test_new_sampling_params_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field} "):
         SamplingParams(**kw)
+
+
+def test_accepted_extremes_never_make_nan(rng):
+    """The numpy reference under repetition_penalty 5e-324 (a seen positive logit overflows): a
+    token, never 'Probabilities contain NaN'."""
+    logits = rng.standard_normal((3, 40)).astype(np.float32)
+    for temp in (0.7, 0.001, 0.0):
+        st = SamplingState(temperature=temp, repetition_penalty=5e-324, rng=np.random.default_rng(0), top_p=0.9)
+        res = sample(logits, [st] * 3, [([1, 2, 3], [4, 5])] * 3)
+        assert all(not isinstance(r, Exception) and 0 <= r.token_id < 40 for r in res), res

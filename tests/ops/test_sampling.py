@@ -193,3 +193,27 @@ def test_a_row_that_is_not_finite_is_flagged_alone(rng, triton):
     tokens, _, _, bad = batch.run(triton, logits=logits, block=16)
     assert bad.tolist() == [False, True, True]
     assert tokens[0] == int(np.argmax(logits[0]))
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_extreme_accepted_values_never_make_nan(rng, triton):
+    """repetition_penalty 5e-324 / 1e-310 / 1e-305 (0 in float32: a seen positive logit / 0 is
+    inf) with tiny and large temperatures, every penalty and bias at its bound: a valid token and
+    a finite logprob for every row, never NaN; greedy rows pick an overflowed token (a seen
+    token with a positive logit), where the float64 reference puts them too."""
+    S = SamplingState
+    states = [
+        S(temperature=0.7, repetition_penalty=5e-324),
+        S(temperature=0.001, repetition_penalty=1e-305, top_p=0.5),
+        S(temperature=0.0, repetition_penalty=1e-310),
+        S(temperature=2.0, repetition_penalty=10.0, presence_penalty=-2, frequency_penalty=-2, top_k=3, min_p=1.0),
+        S(temperature=1e-5, presence_penalty=2, frequency_penalty=2, logit_bias={0: 100.0, 1: -100.0}),
+    ]
+    batch = Batch(rng, states, 256, slots=5)
+    tokens, logprobs, _, bad = batch.run(triton, block=64)
+    assert not bad.any() and np.isfinite(logprobs).all()
+    assert ((tokens >= 0) & (tokens < 256)).all()
+    row, seen = batch.logits[2], set(batch.prompts[2] + batch.outputs[2])
+    assert tokens[2] in seen and row[tokens[2]] > 0
+    z = adjusted_logits(row.astype(np.float64), states[2], batch.prompts[2], batch.outputs[2])
+    assert np.isfinite(z).all() and row[int(np.argmax(z))] > 0 and int(np.argmax(z)) in seen

@@ -16,6 +16,7 @@ import numpy as np
 from fastdeploy.sampling_params import SamplingState
 
 SAMPLING_EPS = 1e-5
+DBL_MAX = np.finfo(np.float64).max
 
 
 @dataclass
@@ -46,6 +47,12 @@ def adjusted_logits(row: np.ndarray, st: SamplingState, prompt: list[int], outpu
     not. Presence and frequency (OpenAI): minus presence once and frequency per occurrence in the
     output."""
     z = row.copy()
+    with np.errstate(over="ignore"):
+        z = _penalized(z, st, prompt, output)
+    return np.minimum(z, DBL_MAX)  # a tiny repetition_penalty overflows: those tokens tie at the top
+
+
+def _penalized(z: np.ndarray, st: SamplingState, prompt: list[int], output: list[int]) -> np.ndarray:
     if st.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(prompt + output, np.int64))
         z[seen] = np.where(z[seen] > 0, z[seen] / st.repetition_penalty, z[seen] * st.repetition_penalty)
@@ -63,7 +70,8 @@ def kept_mask(z: np.ndarray, st: SamplingState) -> tuple[np.ndarray, np.ndarray]
     """Adjusted logits z float64 [vocab] of a sampled row -> (z / temperature, the tokens a draw
     may pick): min-p (p >= min_p * max p), then top-k (ties at the k-th all kept), then top-p of
     what remains. Always keeps the arg-max."""
-    y = z / st.temperature
+    with np.errstate(over="ignore"):
+        y = np.minimum(z / st.temperature, DBL_MAX)
     keep = np.ones(y.shape, bool)
     if st.min_p > 0:
         p = np.exp(_log_softmax(y))

@@ -28,6 +28,7 @@ from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (
     F_REPETITION,
     F_TEMPERATURE,
     F_TOP_P,
+    FLT_MAX,
     I_SLOT,
     I_TOP_K,
     KMAX,
@@ -134,7 +135,7 @@ def sample_tokens_ref(
         z = paddle.where(vocab == bias_ids[:, j : j + 1], z + bias_vals[:, j : j + 1], z)
     temp = f[:, F_TEMPERATURE : F_TEMPERATURE + 1]
     greedy = temp < SAMPLING_EPS
-    y = z / paddle.where(greedy, paddle.ones_like(temp), temp)
+    y = (z / paddle.where(greedy, paddle.ones_like(temp), temp)).clip(max=FLT_MAX)  # overflow: the arg-max
     m = y.max(axis=1, keepdim=True)
     min_p = f[:, F_MIN_P : F_MIN_P + 1]
     cm = paddle.where(min_p > 0, m + paddle.log(min_p.clip(min=1e-30)), paddle.full_like(m, -np.inf))

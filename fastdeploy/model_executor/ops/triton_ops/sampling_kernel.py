@@ -27,6 +27,7 @@ import triton.language as tl
 from fastdeploy.model_executor.ops.triton_ops.launcher import launch, stride
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
+FLT_MAX = 3.4028234663852886e38
 # Cut points of the first select pass, in log-probability units below the max (ascending depth).
 CUT_DEPTHS = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 13.0, 16.0, 20.0, 26.0, 34.0)
 # Column layout of the per-row parameter arrays.
@@ -157,7 +158,10 @@ def _prepare_kernel(
         for j in range(nbias):  # logit_bias, and -inf for tokens banned under min_tokens
             tid = tl.load(bias_ids_ptr + b * NB + j)
             z = tl.where(offs == tid, z + tl.load(bias_vals_ptr + b * NB + j), z)
-        y = tl.where(ok, z * inv_t, float("-inf"))
+        # an accepted parameter may overflow a logit (repetition_penalty 1e-310 is 0 in float32:
+        # x / 0 = inf); clamped to the largest float, such tokens tie as the arg-max, never NaN
+        y = tl.minimum(z * inv_t, FLT_MAX)  # -inf stays: a banned token
+        y = tl.where(ok, y, float("-inf"))
         tl.store(work_ptr + b * V + offs, y, mask=ok)
         m_y, s_y = _online(m_y, s_y, y)
         bm = tl.max(y, 0)
