@@ -35,6 +35,9 @@ from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     mla_prefill_kernel as prefill,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
+    sampling_kernel as sampler,
+)
+from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     sparse_mla_kernel as sparse,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
@@ -178,6 +181,95 @@ def cases():
             {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "DOT_FP8": True, "QUANT_A": cfg["fuse_quant"]},
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )
+    tiles = {"EPS": sampler.SAMPLING_EPS, "BLOCK": 2048}
+    yield (
+        "sampler_prepare",
+        sampler._prepare_kernel,
+        {
+            "logits_ptr": "*fp32",
+            "logits_stride": "i32",
+            "work_ptr": "*fp32",
+            "counts_ptr": "*i32",
+            "seen_ptr": "*u8",
+            "fparams_ptr": "*fp32",
+            "iparams_ptr": "*i32",
+            "bias_ids_ptr": "*i32",
+            "bias_vals_ptr": "*fp32",
+            "part_ptr": "*fp32",
+            **{n: "i32" for n in ("V", "NB", "CHUNK")},
+            "EPS": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        tiles,
+        {"num_warps": 4},
+    )
+    yield (
+        "sampler_cuts",
+        sampler._cuts_kernel,
+        {
+            **{n: "*fp32" for n in ("work_ptr", "fparams_ptr", "depths_ptr", "part_ptr", "cuts_ptr", "stats_ptr")},
+            "argmax_ptr": "*i32",
+            "V": "i32",
+            "CHUNK": "i32",
+            "EPS": "constexpr",
+            "BLOCK": "constexpr",
+            "TILE": "constexpr",
+        },
+        {**tiles, "TILE": 256},
+        {"num_warps": 4},
+    )
+    yield (
+        "sampler_compact",
+        sampler._compact_kernel,
+        {
+            "work_ptr": "*fp32",
+            "fparams_ptr": "*fp32",
+            "iparams_ptr": "*i32",
+            "depths_ptr": "*fp32",
+            "stats_ptr": "*fp32",
+            "cuts_ptr": "*fp32",
+            "scratch_y_ptr": "*fp32",
+            "scratch_id_ptr": "*i32",
+            **{n: "i32" for n in ("V", "KMAX", "CHUNK")},
+            "EPS": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        tiles,
+        {"num_warps": 4},
+    )
+    yield (
+        "sampler_draw",
+        sampler._draw_kernel,
+        {
+            "work_ptr": "*fp32",
+            "logits_ptr": "*fp32",
+            "logits_stride": "i32",
+            "fparams_ptr": "*fp32",
+            "iparams_ptr": "*i32",
+            "seeds_ptr": "*i32",
+            "depths_ptr": "*fp32",
+            "stats_ptr": "*fp32",
+            "argmax_ptr": "*i32",
+            "cuts_ptr": "*fp32",
+            "scratch_y_ptr": "*fp32",
+            "scratch_id_ptr": "*i32",
+            "tokens_ptr": "*i32",
+            "logprobs_ptr": "*fp32",
+            **{n: "i32" for n in ("V", "KMAX", "S")},
+            "EPS": "constexpr",
+            "BLOCK": "constexpr",
+            "TILE": "constexpr",
+        },
+        {**tiles, "TILE": 256},
+        {"num_warps": 4},
+    )
+    yield (
+        "sampler_count",
+        sampler._count_kernel,
+        {"tokens_ptr": "*i32", "iparams_ptr": "*i32", "counts_ptr": "*i32", "V": "i32"},
+        {},
+        {},
+    )
     yield (
         "sparse_mla_combine",
         sparse._combine_kernel,

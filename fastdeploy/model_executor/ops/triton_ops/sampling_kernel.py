@@ -160,7 +160,7 @@ def _prepare_kernel(
             z = tl.where(offs == tid, z + tl.load(bias_vals_ptr + b * NB + j), z)
         # an accepted parameter may overflow a logit (repetition_penalty 1e-310 is 0 in float32:
         # x / 0 = inf); clamped to the largest float, such tokens tie as the arg-max, never NaN
-        y = tl.minimum(z * inv_t, FLT_MAX)  # -inf stays: a banned token
+        y = tl.minimum(z * inv_t, 3.4028234663852886e38)  # FLT_MAX; -inf stays: a banned token
         y = tl.where(ok, y, float("-inf"))
         tl.store(work_ptr + b * V + offs, y, mask=ok)
         m_y, s_y = _online(m_y, s_y, y)
