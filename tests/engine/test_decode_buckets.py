@@ -24,7 +24,8 @@ def engines(model_dir, **kw):
 
 
 def add(eng, prompt, rid, after=None, **kw):
-    sp = SamplingParams(max_tokens=kw.pop("max_tokens", 14), temperature=0.0, ignore_eos=True, logprobs=3, **kw)
+    kw = {"max_tokens": 14, "temperature": 0.0, **kw}
+    sp = SamplingParams(ignore_eos=True, logprobs=3, **kw)
     req = eng.make_request(prompt, sp, rid)
     if after is not None:
         req.prefill_after = eng.requests[after]
@@ -52,6 +53,7 @@ def test_padding_changes_no_token_logprob_count_or_block(tiny_model_dir, rng):
     plan = {  # step -> requests arriving then: (id, prompt, sibling of)
         0: [("a", [int(x) for x in rng.integers(2, 500, 85)], None), ("b", shared + [7, 8, 9], None)],
         2: [("c", [int(x) for x in rng.integers(2, 500, 5)], None)],
+        3: [("s", [int(x) for x in rng.integers(2, 500, 9)], None)],  # sampled, seeded
         5: [("d", shared + [11, 12], None), ("e", [int(x) for x in rng.integers(2, 500, 33)], None)],
         6: [("e2", None, "e")],
     }
@@ -61,8 +63,9 @@ def test_padding_changes_no_token_logprob_count_or_block(tiny_model_dir, rng):
         for rid, prompt, after in plan.get(step, []):
             prompt = prompts[after] if after else prompt
             prompts[rid] = prompt
+            sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 7} if rid == "s" else {}
             for eng in (padded, plain):
-                add(eng, prompt, rid, after)
+                add(eng, prompt, rid, after, **sampled)
         if not padded.has_unfinished_requests() and step > 6:
             break
         sched_before = padded.scheduler.running[:]
@@ -198,3 +201,23 @@ def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch):
             outs[o.request_id] = o
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs.values()) and len(outs) == 3
     assert guarded["forward"] >= 3 and guarded["sample"] >= 4
+
+
+def test_a_seed_draws_the_same_tokens_alone_or_in_a_batch(tiny_model_dir, rng):
+    """The device sampler keys a draw by (seed, step): a seeded sampled request gives the same
+    tokens alone and among others, padded or not."""
+    prompt = [int(x) for x in rng.integers(2, 500, 12)]
+    kw = {"temperature": 1.0, "top_p": 0.95, "top_k": 40, "seed": 1234, "max_tokens": 8}
+
+    def run(others: int, sizes: str):
+        eng = LLM(tiny_model_dir, block_size=16, max_num_seqs=8, cuda_graph_batch_sizes=sizes).engine
+        for i in range(others):
+            add(eng, [int(x) for x in rng.integers(2, 500, 5 + i)], f"o{i}", temperature=0.9, max_tokens=8)
+        add(eng, prompt, "me", **kw)
+        out = {}
+        while eng.has_unfinished_requests():
+            out.update({o.request_id: o.outputs[0].token_ids for o in eng.step()})
+        return out["me"]
+
+    alone = run(0, "")
+    assert run(3, "") == alone and run(2, "8") == alone
