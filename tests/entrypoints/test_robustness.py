@@ -199,6 +199,53 @@ def test_degenerate_sampling_values_are_greedy_or_bounded(live):
     assert len(tokens) == 8 and len(set(tokens)) == 1  # +100 on one token: it is always drawn
 
 
+def test_accepted_extremes_never_fail_a_request(live):
+    """repetition_penalty at the bottom of its range (5e-324, 1e-310, 1e-305) with sampled and
+    near-greedy temperatures: 200 with the asked tokens, never 500 (issue 25, item 3)."""
+    base, _ = live
+    for rep, temp in ((5e-324, 0.7), (1e-310, 0.7), (1e-305, 0.001), (1e-305, 2.0)):
+        body = {**GREEDY, "temperature": temp, "repetition_penalty": rep, "prompt": "aaaa aaaa aaaa"}
+        r = httpx.post(base + CMPL, json=body, timeout=60)
+        assert r.status_code == 200, (rep, temp, r.text)
+        assert r.json()["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        (CMPL, {**GREEDY, "model": "\ud800"}, 400, "model"),  # a lone surrogate: 400, not 500
+        (CMPL, {**GREEDY, "model": "other"}, 404, "model"),
+        (CMPL, {**GREEDY, "stop": ""}, 400, "stop"),  # as [""]
+        (CMPL, {**GREEDY, "stop": [""]}, 400, "stop"),
+        (CMPL, {**GREEDY, "logit_bias": {"\u0661": 1}}, 400, "logit_bias"),  # Arabic-Indic one
+        (CMPL, {**GREEDY, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # superscript two
+        (CMPL, {**GREEDY, "n": 9, "prompt": ["a"] * 30}, 400, "n"),  # 270 sequences > 256
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6},
+            400,
+            "max_completion_tokens",
+        ),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": 1}]}]},
+            400,
+            "messages.0.content.0",
+        ),
+    ],
+)
+def test_validation_is_consistent(live, path, body, status, param):
+    """Issue 25, items 4, 5 and 7: each case a clean OpenAI error naming its field."""
+    base, _ = live
+    raw = json.dumps(body).replace("\\\\u", "\\u")
+    r = httpx.post(base + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    if status == 404:
+        assert err["code"] == "model_not_found"
+
+
 # ---------------------------------------------------------------- failures pinned to requests
 
 

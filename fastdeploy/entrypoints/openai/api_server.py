@@ -41,16 +41,20 @@ logger = logging.getLogger("fastdeploy")
 
 
 def build_app(
-    engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None, max_request_bytes: int = 16 * 2**20
+    engine: AsyncLLMEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = 16 * 2**20,
+    max_seqs_per_request: int = 256,
 ):
     """The FastAPI app behind the Guard (API key, body limit); returns the ASGI app with
     ``.fastapi`` and ``.server`` attributes."""
-    srv = OpenAIServer(engine, served_model_name)
+    srv = OpenAIServer(engine, served_model_name, max_seqs_per_request)
     app = FastAPI(title="fastdeploy-swa")
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
-        return JSONResponse(error_body(e.message, e.param, e.kind), status_code=e.status)
+        return JSONResponse(error_body(e.message, e.param, e.kind, e.code), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError):
@@ -125,6 +129,7 @@ class ServerArgs:
     api_key: str | None = setting(None, "require 'Authorization: Bearer KEY'; None: FD_API_KEY if set, else open")
     log_level: str = setting("info", "logging level", ("debug", "info", "warning", "error", "critical"))
     max_request_bytes: int = setting(16 * 2**20, "largest request body accepted; larger gets 413")
+    max_seqs_per_request: int = setting(256, "most sequences one request may start (prompts x n); more gets 400")
     shutdown_timeout: float = setting(30.0, "seconds in-flight requests may finish after SIGTERM / SIGINT")
     exit_on_engine_error: bool = setting(True, "exit non-zero when the engine thread dies, for a supervisor")
 
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
             holder["server"].server.should_exit = True
 
     async_engine = AsyncLLMEngine(engine, on_fatal=on_fatal)
-    app = build_app(async_engine, name, ns.api_key or os.environ.get("FD_API_KEY"), ns.max_request_bytes)
+    key = ns.api_key or os.environ.get("FD_API_KEY")
+    app = build_app(async_engine, name, key, ns.max_request_bytes, ns.max_seqs_per_request)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower())
     server = holder["server"] = DrainingServer(config, async_engine, ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)

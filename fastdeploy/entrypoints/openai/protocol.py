@@ -85,9 +85,16 @@ def error_body(message: str, param: str | None = None, kind: str = "invalid_requ
 class APIError(Exception):
     """An error answered with ``status`` and OpenAI's error body; ``param`` names the field."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
 
 def param_of(message: str) -> str | None:

@@ -125,7 +125,7 @@ class ResponseFormatter:
                 continue
             if isinstance(d, BaseException):
                 err = d if isinstance(d, APIError) else APIError(500, str(d), None, "internal_server_error")
-                yield f"data: {json.dumps(error_body(err.message, err.param, err.kind))}\n\n"
+                yield f"data: {json.dumps(error_body(err.message, err.param, err.kind, err.code))}\n\n"
                 break
             if d.text or d.finish_reason or (d.token_ids and self.logprobs):
                 chunk = {

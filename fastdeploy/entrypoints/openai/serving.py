@@ -57,9 +57,10 @@ def bad_unicode(value, path: str = "") -> str | None:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, max_seqs_per_request: int = 256) -> None:
         self.engine = engine
         self.name = served_model_name
+        self.max_seqs = max_seqs_per_request
         self.metrics = EngineMetrics(engine.engine)
         engine.engine.step_listeners.append(self.metrics.on_token)
         engine.engine.finish_listeners.append(self.metrics.on_finish)
@@ -71,8 +72,11 @@ class OpenAIServer:
     # ------------------------------------------------------------ requests -> engine (off the event loop)
 
     def _check_common(self, body) -> None:
+        bad_text = bad_unicode(body.model_dump())
+        if bad_text:
+            raise APIError(400, f"{bad_text}: invalid Unicode (a lone surrogate cannot be encoded)", bad_text)
         if body.model is not None and body.model != self.name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", "model", "NotFoundError")
+            raise APIError(404, f"The model `{body.model}` does not exist.", "model", code="model_not_found")
         for f in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
             if getattr(body, f) is not None:
                 raise APIError(400, f"{f}: tool and function calling are not supported by this server", f)
@@ -87,16 +91,13 @@ class OpenAIServer:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: only allowed with stream=true", "stream_options")
-        bad_text = bad_unicode(body.model_dump())
-        if bad_text:
-            raise APIError(400, f"{bad_text}: invalid Unicode (a lone surrogate cannot be encoded)", bad_text)
 
     @staticmethod
     def _logit_bias(body) -> dict[int, float]:
         """OpenAI's string keys as token ids (the engine checks ids and biases)."""
         out = {}
         for k, v in (body.logit_bias or {}).items():
-            if not k.isdigit():
+            if not (k.isascii() and k.isdigit()):  # "١" and "²" are digits to str.isdigit
                 raise APIError(400, f"logit_bias: key {k!r} is not a token id", "logit_bias")
             out[int(k)] = v
         return out
@@ -104,14 +105,15 @@ class OpenAIServer:
     def _params(self, body, max_tokens: int | None, logprobs: int | None, n_prompt: int, k: int) -> SamplingParams:
         """The k-th of body.n samples: seeds seed + k, so the n samples differ and reproduce."""
         room = self.max_model_len - n_prompt
+        field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
         if max_tokens is None:
             max_tokens = max(room, 1)  # a prompt with no room left is the engine's error to name
         elif max_tokens > room >= 1:
             msg = (
-                f"max_tokens: this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {n_prompt} and max_tokens asks for {max_tokens} more"
+                f"{field}: this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {n_prompt} and {field} asks for {max_tokens} more"
             )
-            raise APIError(400, msg, "max_tokens")
+            raise APIError(400, msg, field)
         seed = None if body.seed is None else (body.seed + k) % 2**64
         try:
             return SamplingParams(
@@ -123,7 +125,7 @@ class OpenAIServer:
                 seed=seed,
                 logprobs=logprobs,
                 stop_token_ids=body.stop_token_ids or [],
-                stop=body.stop or [],
+                stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],  # "" is a 400, as [""]
                 ignore_eos=body.ignore_eos,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
@@ -139,6 +141,13 @@ class OpenAIServer:
     ) -> list[list[EngineRequest]]:
         """body.n requests per (prompt text or token ids, its field name), made and validated by
         the engine (nothing queued yet)."""
+        if len(prompts) * body.n > self.max_seqs:
+            raise APIError(
+                400,
+                f"n: {len(prompts)} prompts x n={body.n} would start {len(prompts) * body.n} sequences; at most "
+                f"{self.max_seqs} a request (--max-seqs-per-request)",
+                "n",
+            )
         out = []
         for i, (prompt, param) in enumerate(prompts):
             if isinstance(prompt, str):  # a chat template spells its own special tokens
@@ -179,11 +188,15 @@ class OpenAIServer:
             content = m.content or ""
             if isinstance(content, list):
                 parts = []
-                for p in content:
+                for j, p in enumerate(content):
                     if p.get("type") != "text" or not isinstance(p.get("text"), str):
                         raise APIError(
                             400, f"messages.{i}.content: only text parts are supported", f"messages.{i}.content"
                         )
+                    extra = sorted(set(p) - {"type", "text"})
+                    if extra:  # unknown keys are a 400 here as everywhere else
+                        where = f"messages.{i}.content.{j}"
+                        raise APIError(400, f"{where}: unknown field {extra[0]!r}", where)
                     parts.append(p["text"])
                 content = "".join(parts)
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
