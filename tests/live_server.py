@@ -47,12 +47,15 @@ class LiveServer:
 
 
 def metric(base: str, name: str) -> float:
-    """The first sample of ``fastdeploy:NAME`` (the unlabeled one where there are labels), or
-    the one whose labels are given in NAME."""
+    """The sample of ``fastdeploy:NAME`` whose labels NAME gives, or without labels in NAME the
+    sum of the family's samples (a labelled family has no unlabeled sum)."""
+    found = []
     for line in httpx.get(base + "/metrics").text.splitlines():
-        if line.startswith(f"fastdeploy:{name} ") or line.startswith(f"fastdeploy:{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
+        if line.startswith(f"fastdeploy:{name} ") or ("{" not in name and line.startswith(f"fastdeploy:{name}{{")):
+            found.append(float(line.rsplit(" ", 1)[1]))
+    if not found:
+        raise KeyError(name)
+    return sum(found)
 
 
 def wait_idle(base: str, timeout: float = 30) -> None:

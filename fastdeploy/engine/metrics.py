@@ -22,10 +22,12 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 def _metric(name: str, doc: str, kind: str, value: float, per_label: dict[str, float] | None = None, label: str = ""):
-    """One family: the unlabeled value (the sum where there are labels) and a sample per label value."""
+    """One family: a sample per label value, or the one unlabeled value when it has no labels (no
+    sum beside its parts: PromQL's sum() would count every part twice)."""
     m = Metric(f"fastdeploy:{name}", doc, kind)
     sample = f"fastdeploy:{name}" + ("_total" if kind == "counter" else "")
-    m.add_sample(sample, {}, value)
+    if per_label is None:
+        m.add_sample(sample, {}, value)
     for k, v in (per_label or {}).items():
         m.add_sample(sample, {label: k}, v)
     return m

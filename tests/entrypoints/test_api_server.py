@@ -304,6 +304,14 @@ def test_multi_turn_chat_keeps_hitting_with_swa_release(server, client):
         assert f'fastdeploy:kv_cache_blocks_used{{group="{g}"}} 0' in text
         assert f'fastdeploy:kv_cache_blocks_free{{group="{g}"}} {eng.engine.block_manager.pools[g].num_blocks}' in text
         assert f'fastdeploy:prefix_cache_hit_blocks_total{{group="{g}"}}' in text
+    for family in (
+        "kv_cache_blocks_used",
+        "kv_cache_blocks_free",
+        "prefix_cache_hit_blocks_total",
+        "request_success_total",
+    ):
+        # no unlabeled sum beside the parts (PromQL's sum() would count each block twice)
+        assert not any(line.startswith(f"fastdeploy:{family} ") for line in text.splitlines()), family
     assert metric(base, "kv_cache_blocks_used") == 0
 
 
