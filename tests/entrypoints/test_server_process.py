@@ -54,16 +54,23 @@ def test_sigterm_drains_then_aborts_with_an_error_and_exits_zero(servers):
         assert "shut down" in r["events"][-1]["error"]["message"]
 
 
-def test_second_signal_exits_at_once(servers):
+def test_second_signal_ends_the_streams_and_exits_as_a_shell_reports_it(servers):
+    """A second signal: every open stream gets an error event then [DONE], and the process exits
+    with 128 + the signal (130 for SIGINT) within seconds (issue 25, item 6)."""
     s = servers("--shutdown-timeout", "60")
-    s.stream_in_background(2, max_tokens=450)
+    long = s.stream_in_background(2, max_tokens=450)
+    time.sleep(0.5)
     s.p.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert s.p.poll() is None  # draining: up to 60 s
     t0 = time.time()
     s.p.send_signal(signal.SIGINT)
-    assert s.p.wait(timeout=10) == 0 and time.time() - t0 < 10
+    assert s.p.wait(timeout=10) == 128 + signal.SIGINT and time.time() - t0 < 10
     assert "Traceback" not in s.stderr()
+    for t in s.threads:
+        t.join(timeout=10)
+    for r in long:
+        assert r["done"] and "error" in r["events"][-1], r
 
 
 def test_dead_engine_exits_non_zero(servers):

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -38,6 +39,7 @@ from fastdeploy.entrypoints.openai.serving import OpenAIServer
 from fastdeploy.worker.tp_worker import run_worker
 
 logger = logging.getLogger("fastdeploy")
+FLUSH_S = 0.5  # after a second signal: time for the event loop to send the open streams their error
 
 
 def build_app(
@@ -149,7 +151,9 @@ def make_parser() -> argparse.ArgumentParser:
 class DrainingServer:
     """uvicorn's server with our signal handling: the first SIGTERM / SIGINT drains the engine
     (new requests 503, in-flight ones finish for ``timeout`` s, the rest get an error), then
-    uvicorn stops; a second signal exits at once with status 0."""
+    uvicorn stops; a second signal ends every open request with an error (streams get an error
+    event and ``[DONE]``), gives the event loop ``FLUSH_S`` to write them, and exits with 128 +
+    the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report a killed process."""
 
     def __init__(self, config, engine: AsyncLLMEngine, timeout: float) -> None:
         import uvicorn
@@ -161,15 +165,23 @@ class DrainingServer:
         self.server = _Server(config)
         self.engine, self.timeout = engine, timeout
         self.signals = 0
+        self.exit_code = 0  # 128 + the signal after a second one
 
     def on_signal(self, sig) -> None:
         self.signals += 1
         if self.signals > 1:
-            logger.warning("second signal %s: exiting now", sig)
-            logging.shutdown()
-            os._exit(0)
+            logger.warning("second signal %s: ending open requests and exiting", sig)
+            threading.Thread(target=self._exit_now, args=(int(sig),), name="fastdeploy-exit", daemon=True).start()
+            return
         logger.info("signal %s: draining for up to %g s", sig, self.timeout)
         threading.Thread(target=self._drain, name="fastdeploy-drain", daemon=True).start()
+
+    def _exit_now(self, signum: int) -> None:
+        self.exit_code = 128 + signum  # also if the first drain returns and uvicorn stops first
+        self.engine.drain(0.0)
+        time.sleep(FLUSH_S)
+        logging.shutdown()
+        os._exit(128 + signum)
 
     def _drain(self) -> None:
         aborted = self.engine.drain(self.timeout)
@@ -207,6 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     server = holder["server"] = DrainingServer(config, async_engine, ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)
     server.run()
+    if server.exit_code:  # a second signal: the streams have their error event; exit as killed
+        time.sleep(FLUSH_S)
+        logging.shutdown()
+        os._exit(server.exit_code)
     async_engine.shutdown()
     if async_engine.error is not None and ns.exit_on_engine_error:
         logger.error("exiting: the engine thread died (%r)", async_engine.error)
