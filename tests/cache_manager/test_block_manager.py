@@ -162,3 +162,50 @@ def test_all_swa_model_has_no_full_pool():
     assert len(held(req, "swa")) <= bound(16) and "full" not in req.block_tables
     with pytest.raises(ValueError, match="sliding_window"):
         BlockManager({"swa": 6}, BS)
+
+
+def finished(bm: BlockManager, tokens, rid: str) -> Request:
+    """A request that computed all of ``tokens`` (registered for prefix reuse), then freed."""
+    req = request(tokens, rid)
+    bm.match_prefix(req)
+    step(bm, req, req.num_tokens - req.num_computed_tokens)
+    bm.free_request(req)
+    return req
+
+
+def test_a_fully_cached_block_multiple_prompt_leaves_its_last_token_to_compute():
+    """A prompt of exactly 3 blocks, all cached: hits are whole blocks and the last token must be
+    computed (it produces the logits), so 2 blocks hit and the third is computed again."""
+    bm = BlockManager({"full": 20, "swa": 20}, BS, enable_prefix_caching=True, sliding_window=W)
+    tokens = list(range(100, 100 + 3 * BS))
+    finished(bm, tokens, "a")
+    again = request(tokens, "b")
+    hit = bm.match_prefix(again)
+    assert hit == 2 * BS and again.num_tokens - hit == BS
+    longer = request(tokens + [7], "c")  # one token past the blocks: all 3 blocks hit
+    assert bm.match_prefix(longer) == 3 * BS
+
+
+def test_freed_blocks_are_evicted_full_tail_first_and_swa_head_first():
+    """free_request puts a request's full blocks on the free list tail first and its SWA blocks
+    head first, so the next takes evict the full tail and the SWA head before anything else."""
+    bm = BlockManager({"full": 4, "swa": 4}, BS, enable_prefix_caching=True, sliding_window=10 * BS)
+    req = request(range(1, 1 + 4 * BS), "a")  # 4 full blocks, registered; W keeps every SWA block
+    step(bm, req, req.num_tokens)
+    full, swa = list(req.block_tables["full"]), list(req.block_tables["swa"])
+    assert all(b >= 0 for b in full + swa) and len(full) == len(swa) == 4
+    bm.free_request(req)
+    assert [bm.pools["full"].take() for _ in range(4)] == full[::-1]  # tail first
+    assert [bm.pools["swa"].take() for _ in range(4)] == swa  # head first
+
+
+def test_a_partial_last_block_is_never_registered():
+    """Only whole computed blocks get a hash: 2.5 blocks computed register 2 in each group."""
+    bm = BlockManager({"full": 10, "swa": 10}, BS, enable_prefix_caching=True, sliding_window=W)
+    req = request(range(1, 1 + 2 * BS + BS // 2))
+    step(bm, req, req.num_tokens)
+    for g, pool in bm.pools.items():
+        hashed = [b for b in req.block_tables[g] if b >= 0 and pool.block_hash[b] is not None]
+        assert len(hashed) == 2 and req.block_tables[g][2] not in hashed, g
+    other = request(list(range(1, 1 + 2 * BS + BS // 2)) + [9], "b")
+    assert bm.match_prefix(other) == 2 * BS  # never the half-written third block

@@ -189,3 +189,28 @@ def test_kernel_choice_made_once_at_start_and_logged(tiny_model_dir, caplog):
     assert llm.engine.config.kernel_config == KernelConfig(triton=False, sparse_mla_provider="reference")
     with pytest.raises(ValueError, match="kernel_backend: unknown backend 'cuda'"):
         LLM(model=tiny_model_dir, kernel_backend="cuda", **kw)
+
+
+def test_a_request_ends_exactly_at_max_model_len(rng):
+    """Prompt + output reach max_model_len (64) exactly: finish_reason "length" with 64 - 60 = 4
+    tokens, however large max_tokens is; a prompt of 63 gets exactly one token."""
+    small = LLM(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=16, max_model_len=64)
+    for n_prompt, want in ((60, 4), (63, 1)):
+        ids = [int(x) for x in rng.integers(2, 500, n_prompt)]
+        sp = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        c = small.generate([{"prompt_token_ids": ids}], sp)[0].outputs[0]
+        assert len(c.token_ids) == want and c.finish_reason == "length", (n_prompt, len(c.token_ids))
+
+
+def test_min_tokens_holds_stop_strings_back_exactly(llm):
+    """A stop string that the greedy output's first token already spells: with min_tokens k the
+    output stops at exactly k tokens (the first check allowed), never before and never after."""
+    base = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tok = llm.get_tokenizer()
+    ids = llm.generate([{"prompt_token_ids": [5, 6, 7]}], base)[0].outputs[0].token_ids
+    first = tok.decode(ids[:1])
+    assert first.strip(), "the first greedy token decodes to text"
+    for k in (1, 3, 6):
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[first], min_tokens=k)
+        c = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp)[0].outputs[0]
+        assert c.finish_reason == "stop" and c.token_ids == ids[:k], (k, c)

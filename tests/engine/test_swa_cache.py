@@ -28,23 +28,30 @@ def prompts(rng, lens):
 
 class StepWatch:
     """Wraps the runner: before each step, checks the step's token budget and every scheduled
-    request's SWA blocks against the window bound; records the peaks."""
+    request's SWA blocks against the window bound; records the peaks and every violation (an
+    assertion raised inside ``execute`` would only make the engine retry the requests one by one,
+    so violations are recorded and ``assert_all_free`` fails on them)."""
 
     def __init__(self, llm: LLM, W: int) -> None:
         eng = llm.engine
         self.bm, self.W, self.budget = eng.block_manager, W, eng.config.scheduler_config.max_num_batched_tokens
         self.peak_swa, self.peak_full, self.steps = 0, 0, 0
+        self.violations: list[str] = []
         inner = eng.runner.execute
 
+        def check(ok: bool, what: str) -> None:
+            if not ok:
+                self.violations.append(f"step {self.steps}: {what}")
+
         def execute(scheduled):
-            assert sum(n for _, n in scheduled) <= self.budget
+            check(sum(n for _, n in scheduled) <= self.budget, "token budget")
             for req, n in scheduled:
                 swa = [b for b in req.block_tables.get("swa", []) if b >= 0]
                 if self.bm.release_swa:  # released entries are -1, exactly those out of every query's sight
-                    assert len(swa) <= bound(self.W, n), (len(swa), n)
+                    check(len(swa) <= bound(self.W, n), f"{len(swa)} SWA blocks for a chunk of {n}")
                     lo = max(0, req.num_computed_tokens - self.W + 1) // BS
-                    assert all(b == -1 for b in req.block_tables["swa"][:lo])
-                    assert all(b >= 0 for b in req.block_tables["swa"][lo:])
+                    check(all(b == -1 for b in req.block_tables["swa"][:lo]), "a block out of sight kept")
+                    check(all(b >= 0 for b in req.block_tables["swa"][lo:]), "a block in sight released")
                 self.peak_swa = max(self.peak_swa, len(swa))
                 self.peak_full = max(self.peak_full, len(req.block_tables.get("full", [])))
             self.steps += 1
@@ -53,6 +60,7 @@ class StepWatch:
         eng.runner.execute = execute
 
     def assert_all_free(self) -> None:
+        assert not self.violations, self.violations
         assert all(p.num_free == p.num_blocks for p in self.bm.pools.values())
         assert all(c == 0 for p in self.bm.pools.values() for c in p.ref_cnt)
 

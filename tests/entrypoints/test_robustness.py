@@ -464,3 +464,60 @@ def test_a_bug_in_a_handler_is_an_openai_shaped_500(server, monkeypatch):
     assert "a handler bug" in r.json()["error"]["message"]
     monkeypatch.undo()
     assert httpx.post(server.base + CMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_sampling_fields_reach_the_sampler_as_named(live):
+    """Each penalty field over HTTP gives the tokens the offline LLM gives with that SamplingParams
+    field (same preset weights), and differs from the unpenalized output, so a field wired to
+    another (presence taken from frequency) fails here."""
+    from fastdeploy import LLM, SamplingParams
+
+    base, _ = live
+    offline = LLM(**ENGINE)
+    prompt = [5, 6, 7, 5, 6, 7]
+    plain = offline.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=10, temperature=0.0))
+    plain_ids = plain[0].outputs[0].token_ids
+    for field, value in (("presence_penalty", 2.0), ("frequency_penalty", 2.0), ("repetition_penalty", 5.0)):
+        sp = SamplingParams(max_tokens=10, temperature=0.0, **{field: value})
+        want = offline.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids
+        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 0, field: value}
+        r = httpx.post(base + CMPL, json=body, timeout=60)
+        got = [
+            int(t.split(":", 1)[1]) if t.startswith("token_id:") else t
+            for t in r.json()["choices"][0]["logprobs"]["tokens"]
+        ]
+        assert r.status_code == 200 and len(got) == len(want), r.text
+        assert want != plain_ids, field  # the field matters for this prompt
+        text = offline.get_tokenizer().decode(want)
+        assert r.json()["choices"][0]["text"] == text, field
+
+
+def test_a_logit_bias_key_past_the_vocabulary_is_a_400(live):
+    base, eng = live
+    vocab = eng.engine.config.model_config.vocab_size
+    for key, status in ((vocab - 1, 200), (vocab, 400)):
+        r = httpx.post(base + CMPL, json={**GREEDY, "logit_bias": {str(key): 1}}, timeout=60)
+        assert r.status_code == status, (key, r.text)
+        if status == 400:
+            assert r.json()["error"]["param"] == "logit_bias"
+
+
+def test_the_body_limit_is_exact_with_and_without_content_length(live):
+    """A body of exactly the limit is read; one byte more is a 413, whether its length is
+    declared (Content-Length) or only streamed (chunked)."""
+    base, _ = live
+    body = json.dumps(GREEDY)
+    exact = body[:-1] + " " * (LIMIT - len(body)) + "}"
+    assert len(exact.encode()) == LIMIT
+    over = exact[:-1] + " }"
+    headers = {"content-type": "application/json"}
+    assert httpx.post(base + CMPL, content=exact, headers=headers, timeout=60).status_code == 200
+    assert httpx.post(base + CMPL, content=over, headers=headers, timeout=60).status_code == 413
+
+    def chunked(text):
+        data = text.encode()
+        for i in range(0, len(data), 4096):
+            yield data[i : i + 4096]
+
+    assert httpx.post(base + CMPL, content=chunked(exact), headers=headers, timeout=60).status_code == 200
+    assert httpx.post(base + CMPL, content=chunked(over), headers=headers, timeout=60).status_code == 413
