@@ -480,13 +480,9 @@ def test_sampling_fields_reach_the_sampler_as_named(live):
     for field, value in (("presence_penalty", 2.0), ("frequency_penalty", 2.0), ("repetition_penalty", 5.0)):
         sp = SamplingParams(max_tokens=10, temperature=0.0, **{field: value})
         want = offline.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids
-        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 0, field: value}
+        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, field: value}
         r = httpx.post(base + CMPL, json=body, timeout=60)
-        got = [
-            int(t.split(":", 1)[1]) if t.startswith("token_id:") else t
-            for t in r.json()["choices"][0]["logprobs"]["tokens"]
-        ]
-        assert r.status_code == 200 and len(got) == len(want), r.text
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == len(want), r.text
         assert want != plain_ids, field  # the field matters for this prompt
         text = offline.get_tokenizer().decode(want)
         assert r.json()["choices"][0]["text"] == text, field
