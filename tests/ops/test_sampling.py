@@ -217,3 +217,42 @@ def test_extreme_accepted_values_never_make_nan(rng, triton):
     assert tokens[2] in seen and row[tokens[2]] > 0
     z = adjusted_logits(row.astype(np.float64), states[2], batch.prompts[2], batch.outputs[2])
     assert np.isfinite(z).all() and row[int(np.argmax(z))] > 0 and int(np.argmax(z)) in seen
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_any_accepted_sampling_values_give_a_valid_token(triton):
+    """Hypothesis over every sampling field's whole accepted range (SamplingParams' bounds, the
+    subnormal repetition penalties and extremes together; subnormals are given as values since
+    paddle's flush-to-zero stops Hypothesis drawing them): a valid token, a finite logprob, no row flagged; and
+    where the values are moderate, the float64 reference's token under the same noise."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    floats = lambda lo, hi: st.floats(lo, hi, allow_nan=False, allow_subnormal=False)  # noqa: E731
+    state = st.builds(
+        SamplingState,
+        temperature=st.one_of(st.just(0.0), floats(0.0, 2.0)),
+        top_p=floats(1e-300, 1.0).filter(lambda x: x > 0),
+        top_k=st.one_of(st.just(-1), st.integers(1, 80)),
+        min_p=floats(0.0, 1.0),
+        repetition_penalty=st.one_of(st.sampled_from([5e-324, 1e-310, 1e-305]), floats(1e-300, 10.0)),
+        presence_penalty=floats(-2.0, 2.0),
+        frequency_penalty=floats(-2.0, 2.0),
+        logit_bias=st.dictionaries(st.integers(0, 63), floats(-100.0, 100.0), max_size=3),
+    )
+
+    @settings(
+        max_examples=20 if triton else 60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+    @given(states=st.lists(state, min_size=1, max_size=3), seed=st.integers(0, 2**32 - 1))
+    def check(states, seed):
+        batch = Batch(np.random.default_rng(seed), states, 64, slots=3)
+        tokens, logprobs, _, bad = batch.run(triton, block=32)
+        assert not bad.any() and np.isfinite(logprobs).all()
+        assert ((tokens >= 0) & (tokens < 64)).all()
+        for b, s in enumerate(states):
+            moderate = s.repetition_penalty >= 0.05 and (s.temperature == 0 or s.temperature >= 0.05)
+            if moderate:
+                assert tokens[b] == batch.want(b)[0], s
+
+    check()
