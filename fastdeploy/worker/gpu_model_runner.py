@@ -180,18 +180,14 @@ class GPUModelRunner:
     def run_step(self, step: dict) -> paddle.Tensor | None:
         """The model on one step's inputs, the same on every rank; logits [n, vocab] of the tokens
         that sample, on the device (None when none does)."""
-        self.step_started = time.monotonic()
-        try:
-            meta = self.meta_builder.build(
-                step["input_ids"], step["seq_lens_encoder"], step["seq_lens_decoder"], step["block_tables"]
-            )
-            hidden = self.model(meta, self.caches)
-            if not step["samples_at"]:
-                return None
-            last_tok = (meta.cu_seqlens_q[1:] - 1)[step["samples_at"]]
-            return self.model.compute_logits(hidden, paddle.to_tensor(last_tok))
-        finally:
-            self.step_started = None
+        meta = self.meta_builder.build(
+            step["input_ids"], step["seq_lens_encoder"], step["seq_lens_decoder"], step["block_tables"]
+        )
+        hidden = self.model(meta, self.caches)
+        if not step["samples_at"]:
+            return None
+        last_tok = (meta.cu_seqlens_q[1:] - 1)[step["samples_at"]]
+        return self.model.compute_logits(hidden, paddle.to_tensor(last_tok))
 
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[SampleResult | Exception | None]:
         """Run one step (the driver; other ranks get its inputs by broadcast); a sample for each
@@ -199,15 +195,19 @@ class GPUModelRunner:
         A failure of the model step itself raises."""
         if not scheduled:
             return []
-        step = self.tp.broadcast_object(self.step_inputs(scheduled))
-        logits = self.run_step(step)
-        results: list[SampleResult | Exception | None] = [None] * len(scheduled)
-        if logits is None:
+        self.step_started = time.monotonic()  # the watchdog times the input broadcast too
+        try:
+            step = self.tp.broadcast_object(self.step_inputs(scheduled))
+            logits = self.run_step(step)
+            results: list[SampleResult | Exception | None] = [None] * len(scheduled)
+            if logits is None:
+                return results
+            reqs = [scheduled[i][0] for i in step["samples_at"]]
+            for i, r in zip(step["samples_at"], self.sampler.sample(logits, reqs), strict=True):
+                results[i] = r
             return results
-        reqs = [scheduled[i][0] for i in step["samples_at"]]
-        for i, r in zip(step["samples_at"], self.sampler.sample(logits, reqs), strict=True):
-            results[i] = r
-        return results
+        finally:
+            self.step_started = None
 
     def serve_steps(self) -> None:
         """A worker rank: run the driver's steps until it broadcasts None."""
