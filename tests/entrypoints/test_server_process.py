@@ -74,7 +74,13 @@ def test_second_signal_ends_the_streams_and_exits_as_a_shell_reports_it(servers)
 
 
 def test_dead_engine_exits_non_zero(servers):
+    """The engine thread dies: the request gets a 503, the listener stays up answering 503 for a
+    few seconds (clients are told, not refused; issue 25, item 2), then the process exits 1."""
     s = servers(code=DYING)
     r = httpx.post(s.base + "/v1/completions", json={"prompt": "go", "max_tokens": 50, "ignore_eos": True}, timeout=30)
     assert r.status_code == 503
+    time.sleep(1.0)
+    assert httpx.get(s.base + "/health", timeout=5).status_code == 503
+    late = httpx.post(s.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=5)
+    assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
     assert s.p.wait(timeout=30) == 1

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastdeploy.distributed.parallel import LAUNCH_ENV
 from fastdeploy.engine.args import EngineArgs, add_dataclass_args, setting
 from fastdeploy.engine.async_engine import AsyncLLMEngine
-from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.engine.engine import EXIT_GRACE_S, LLMEngine
 from fastdeploy.entrypoints.openai.guard import Guard
 from fastdeploy.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from fastdeploy.entrypoints.openai.serving import OpenAIServer
@@ -40,6 +40,7 @@ from fastdeploy.worker.tp_worker import run_worker
 
 logger = logging.getLogger("fastdeploy")
 FLUSH_S = 0.5  # after a second signal: time for the event loop to send the open streams their error
+FATAL_ANSWER_S = EXIT_GRACE_S  # after the engine dies: how long the listener stays up answering 503
 
 
 def build_app(
@@ -209,8 +210,14 @@ def main(argv: list[str] | None = None) -> None:
     holder: dict = {}
 
     def on_fatal() -> None:
-        if ns.exit_on_engine_error and "server" in holder:
+        """The engine is gone: keep listening (every request a 503, /health 503) for
+        FATAL_ANSWER_S, then stop, so clients are told rather than refused."""
+
+        def stop() -> None:
             holder["server"].server.should_exit = True
+
+        if ns.exit_on_engine_error and "server" in holder:
+            threading.Timer(FATAL_ANSWER_S, stop).start()
 
     async_engine = AsyncLLMEngine(engine, on_fatal=on_fatal)
     key = ns.api_key or os.environ.get("FD_API_KEY")
