@@ -95,3 +95,38 @@ def test_bad_weights_named(rng):
         check_fp8_weight(paddle.to_tensor(codes.astype(np.float32)), paddle.to_tensor(scale), "w")
     with pytest.raises(ValueError, match="300 columns"):
         w8a8_block_linear(paddle.to_tensor(x), paddle.to_tensor(codes[:, :256]), paddle.to_tensor(scale[:, :2]))
+
+
+def tie_rows() -> np.ndarray:
+    """Two rows of 128 whose block max is 448 (scale exactly 1) and whose other entries sit
+    exactly half-way between neighbouring e4m3 values (5 significant bits: exact in float32), both
+    signs: only round-half-to-even picks the right code."""
+    mids = (GRID[1:126] + GRID[2:127]) / 2
+    row = np.concatenate([[448.0], np.resize(mids, 127)]).astype(np.float32)
+    return np.stack([row, -row[::-1]])
+
+
+def test_activation_ties_round_to_even():
+    from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant
+
+    x = tie_rows()
+    want = e4m3_round(x.astype(np.float64))
+    codes, scales = paddle.empty([2, 128], "uint8"), paddle.empty([2, 1], "float32")
+    launch_act_quant(paddle.to_tensor(x), codes, scales)
+    assert (scales.numpy() == 1.0).all()
+    np.testing.assert_array_equal(E4M3_TO_F32[codes.numpy()].astype(np.float64), want)
+    ref_codes, _ = quantize_activations_ref(paddle.to_tensor(x))
+    np.testing.assert_array_equal(E4M3_TO_F32[ref_codes.numpy()].astype(np.float64), want)
+
+
+def test_ties_round_to_even_inside_the_gemm():
+    """The one-launch path quantizes in the GEMM: with identity weights (code 0x38 = 1.0, scale 1)
+    the output is the rounded activations themselves."""
+    x = tie_rows()
+    codes = np.zeros((128, 128), np.uint8)
+    np.fill_diagonal(codes, 0x38)
+    assert E4M3_TO_F32[0x38] == 1.0
+    out = paddle.full([1, 2, 128], float("nan"), "float32")
+    cfg = {"block_m": 16, "block_n": 64, "split_k": 1, "num_warps": 4, "num_stages": 1}
+    launch_w8a8_gemm(paddle.to_tensor(x), None, paddle.to_tensor(codes), paddle.ones([1, 1], "float32"), out, cfg)
+    np.testing.assert_array_equal(out.numpy()[0].astype(np.float64), e4m3_round(x.astype(np.float64)))
