@@ -517,3 +517,16 @@ def test_the_body_limit_is_exact_with_and_without_content_length(live):
 
     assert httpx.post(base + CMPL, content=chunked(exact), headers=headers, timeout=60).status_code == 200
     assert httpx.post(base + CMPL, content=chunked(over), headers=headers, timeout=60).status_code == 413
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-8-sig"])
+def test_a_body_that_is_not_utf8_is_a_400(live, encoding):
+    """UTF-16 / UTF-32 (with or without a byte order mark) and BOM-prefixed UTF-8 bodies, which
+    json.loads would decode, are refused as the error text says (issue 25, item 7)."""
+    base, _ = live
+    raw = json.dumps({**GREEDY, "prompt": "héllo"}, ensure_ascii=False).encode(encoding)
+    r = httpx.post(base + CMPL, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
+    plain = json.dumps({**GREEDY, "prompt": "héllo"}, ensure_ascii=False).encode("utf-8")
+    ok = httpx.post(base + CMPL, content=plain, headers={"content-type": "application/json"}, timeout=60)
+    assert ok.status_code == 200, ok.text

@@ -3,7 +3,9 @@
 Pure ASGI (not Starlette's BaseHTTPMiddleware, which hides ``http.disconnect`` from handlers),
 so a client that goes away is still seen by the request it left. /health and /metrics stay open;
 /v1/*, /docs, /redoc and /openapi.json need the key when one is set. A body over ``max_bytes`` gets
-413 at once when Content-Length says so, else as soon as that many bytes have arrived.
+413 at once when Content-Length says so, else as soon as that many bytes have arrived. A body that
+is not UTF-8 (a byte order mark, or the NUL bytes of UTF-16 / UTF-32 in its first four bytes,
+which json.loads would otherwise decode) gets a 400 naming ``body``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ KEYED = ("/v1", "/docs", "/redoc", "/openapi.json")
 
 class BodyTooLarge(BaseException):  # BaseException: FastAPI's body parser catches Exception
     pass
+
+
+class BodyNotUtf8(BaseException):
+    pass
+
+
+BOMS = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")
+
+
+def not_utf8(head: bytes) -> bool:
+    """Whether a body's first bytes mark it as other than plain UTF-8."""
+    return head.startswith(BOMS) or b"\x00" in head[:4]
 
 
 class Guard:
@@ -48,7 +62,10 @@ class Guard:
             nonlocal seen
             msg = await receive()
             if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
+                body = msg.get("body", b"")
+                if seen == 0 and body and not_utf8(body):
+                    raise BodyNotUtf8
+                seen += len(body)
                 if seen > self.max_bytes:
                     raise BodyTooLarge
             return msg
@@ -63,3 +80,6 @@ class Guard:
         except BodyTooLarge:
             if not started:
                 await self._reply(send, 413, too_large)
+        except BodyNotUtf8:
+            if not started:
+                await self._reply(send, 400, error_body("body: must be UTF-8 JSON (no byte order mark)", "body"))
