@@ -23,6 +23,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_fp8_moe import moe_align_torch  # noqa: E402  (fused_moe.moe_align in torch ops)
 
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: E402
     launch_act_quant,
@@ -100,23 +103,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     even, odd = xf[..., 0::2], xf[..., 1::2]
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], -1).to(x.dtype)
-
-
-def moe_align(ids: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fused_moe.moe_align`` in torch ops: tokens sorted by expert, padded to blocks of bm."""
-    flat = ids.flatten().long()
-    n = flat.numel()
-    counts = torch.zeros(EXPERTS, device=DEV, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + bm - 1) // bm * bm
-    ends = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    skey = flat[order]
-    dest = (ends - padded)[skey] + torch.arange(n, device=DEV) - (counts.cumsum(0) - counts)[skey]
-    P = -(-(n + EXPERTS * (bm - 1)) // bm) * bm
-    sorted_ids = torch.full((P,), n, device=DEV, dtype=torch.long)
-    sorted_ids[dest] = order
-    expert = torch.searchsorted(ends // bm, torch.arange(P // bm, device=DEV), right=True)
-    return sorted_ids.int(), torch.where(expert < EXPERTS, expert, -1).int()
 
 
 class Layer:
@@ -205,7 +191,7 @@ class Layer:
         h = rms(x, self.norms[3])
         scores = (h @ self.router.T).float().sigmoid()
         wts, ids = scores.topk(TOPK, dim=-1)
-        sorted_ids, block_expert = moe_align(ids, self.bm)
+        sorted_ids, block_expert = moe_align_torch(ids, EXPERTS, self.bm)
         launch_act_quant(h, self.xc, self.xs)
         N = B * TOPK
         launch_moe_gemm(
