@@ -21,15 +21,13 @@ REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-def _metric(name: str, doc: str, kind: str, value: float, per_label: dict[str, float] | None = None, label: str = ""):
-    """One family: a sample per label value, or the one unlabeled value when it has no labels (no
-    sum beside its parts: PromQL's sum() would count every part twice)."""
+def _metric(name: str, doc: str, kind: str, value: float | dict[str, float], label: str = ""):
+    """One family: the value, or (a dict) a sample per ``label`` value and no sum beside them
+    (PromQL's sum() would count every part twice)."""
     m = Metric(f"fastdeploy:{name}", doc, kind)
     sample = f"fastdeploy:{name}" + ("_total" if kind == "counter" else "")
-    if per_label is None:
-        m.add_sample(sample, {}, value)
-    for k, v in (per_label or {}).items():
-        m.add_sample(sample, {label: k}, v)
+    for k, v in value.items() if isinstance(value, dict) else [(None, value)]:
+        m.add_sample(sample, {} if k is None else {label: k}, v)
     return m
 
 
@@ -82,8 +80,8 @@ class EngineMetrics:
         free = {g: p.num_free for g, p in bm.pools.items()}
         yield _metric("num_requests_running", "Requests being computed.", "gauge", len(eng.scheduler.running))
         yield _metric("num_requests_waiting", "Requests waiting to be scheduled.", "gauge", len(eng.scheduler.waiting))
-        yield _metric("kv_cache_blocks_used", "KV cache blocks in use.", "gauge", sum(used.values()), used, "group")
-        yield _metric("kv_cache_blocks_free", "KV cache blocks free.", "gauge", sum(free.values()), free, "group")
+        yield _metric("kv_cache_blocks_used", "KV cache blocks in use.", "gauge", used, "group")
+        yield _metric("kv_cache_blocks_free", "KV cache blocks free.", "gauge", free, "group")
         yield _metric("generation_tokens", "Generated tokens.", "counter", eng.num_generated_tokens)
         with self.lock:
             prompt_tokens, finished = self.prompt_tokens, dict(self.finished)
@@ -97,7 +95,6 @@ class EngineMetrics:
             "prefix_cache_hit_blocks",
             "KV blocks reused from the prefix cache.",
             "counter",
-            sum(hit_blocks.values()),
             hit_blocks,
             "group",
         )
@@ -110,7 +107,6 @@ class EngineMetrics:
             "request_success",
             "Finished requests by reason.",
             "counter",
-            sum(finished.values()),
             finished,
             "finished_reason",
         )
