@@ -42,6 +42,9 @@ class DeviceSampler:
         self.vocab_size, self.max_slots, self.triton = vocab_size, max_slots, triton
         self.counts: paddle.Tensor | None = None  # int32 [max_slots, vocab], allocated on first use
         self.seen: paddle.Tensor | None = None  # uint8 [max_slots, vocab]
+        # what the op reads while no request has a slot (no row points at them: slot -1)
+        self.no_counts = paddle.zeros([1, vocab_size], "int32")
+        self.no_seen = paddle.zeros([1, vocab_size], "uint8")
         self.owner: list[Request | None] = [None] * max_slots
         self.tally: list[int] = [0] * max_slots  # output tokens counted in each slot
         self.slot_of: dict[str, int] = {}
@@ -114,9 +117,8 @@ class DeviceSampler:
         ValueError for a row whose logits are not finite: it fails that request only)."""
         host = self.pack(reqs)
         dev = {k: paddle.to_tensor(v) for k, v in host.items()}
-        empty = paddle.zeros([1, self.vocab_size], "int32")
-        counts = self.counts if self.counts is not None else empty
-        seen = self.seen if self.seen is not None else empty.astype("uint8")
+        counts = self.counts if self.counts is not None else self.no_counts
+        seen = self.seen if self.seen is not None else self.no_seen
         out = sampling.sample_tokens(
             logits,
             counts,

@@ -15,6 +15,7 @@ same contract in paddle ops (sort-based), which serves on CPU.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -49,6 +50,12 @@ class Sampled(NamedTuple):
     bad: paddle.Tensor  # bool [B], the raw row has a NaN or an infinity
 
 
+@functools.cache
+def _cut_depths() -> paddle.Tensor:
+    """CUT_DEPTHS on the device, uploaded once (not on every step)."""
+    return paddle.to_tensor(np.asarray(CUT_DEPTHS, np.float32))
+
+
 def sample_tokens(
     logits: paddle.Tensor,
     counts: paddle.Tensor,
@@ -78,7 +85,7 @@ def sample_tokens(
     scratch_id = paddle.empty([B, kmax], "int32")
     tokens = paddle.empty([B], "int32")
     logprobs = paddle.empty([B], "float32")
-    depths = paddle.to_tensor(np.asarray(CUT_DEPTHS, np.float32))
+    depths = _cut_depths()
     C = num_chunks(B, V, block)
     part = paddle.empty([B, C, 8], "float32")
     cuts = paddle.empty([B, C, 34], "float32")
