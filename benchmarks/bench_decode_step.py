@@ -49,9 +49,10 @@ from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import tuned_con
 
 # The Triton kernels of one layer's decode step, in launch order (``_combine_kernel`` follows the
 # sparse MLA kernel when it splits the keys; small-M GEMMs quantize their input inside).
-ATTN_SWA = ["_w8a8_gemm_kernel"] * 3 + ["_write_kernel", "_sparse_mla_kernel", "_w8a8_gemm_kernel"]
-ATTN_FULL = ["_w8a8_gemm_kernel"] * 3 + ["_sparse_mla_kernel", "_w8a8_gemm_kernel"]
-MLP = ["_w8a8_gemm_kernel"] * 3  # gate, up, down
+LINEAR = ["_act_quant_kernel", "_w8a8_gemm_kernel"]  # (+ "_splitk_sum_kernel" where K is split)
+ATTN_SWA = LINEAR * 3 + ["_write_kernel", "_sparse_mla_kernel"] + LINEAR
+ATTN_FULL = LINEAR * 3 + ["_sparse_mla_kernel"] + LINEAR
+MLP = LINEAR * 3  # gate, up, down
 MOE = ["_act_quant_kernel", "_moe_gemm_kernel", "_act_quant_kernel", "_moe_gemm_kernel"] + MLP  # + shared expert
 SWA_LAYER, FULL_LAYER = ATTN_SWA + MOE, ATTN_FULL + MOE
 STEP_START = ["_swa_indexer_kernel", "_swa_indexer_kernel"]  # the step plans' window indices
@@ -82,16 +83,9 @@ class Linear8:
         self.part = torch.empty(sk, m, n, device=DEV) if sk > 1 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.get("fuse_quant"):
-            a, a_s = x, None
-        else:
-            launch_act_quant(x, self.a, self.a_s)
-            a, a_s = self.a, self.a_s
-        if self.part is None:
-            launch_w8a8_gemm(a, a_s, self.w, self.ws, self.out, self.cfg)
-            return self.out
-        launch_w8a8_gemm(a, a_s, self.w, self.ws, self.part, self.cfg)
-        return self.part.sum(0).to(torch.bfloat16)
+        launch_act_quant(x, self.a, self.a_s)
+        launch_w8a8_gemm(self.a, self.a_s, self.w, self.ws, self.out, self.cfg, self.part)
+        return self.out
 
 
 def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

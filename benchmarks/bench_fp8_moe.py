@@ -31,17 +31,15 @@ import argparse
 import json
 import os
 import sys
+from itertools import product
 
 import torch
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: E402
-    launch_act_quant,
-    launch_w8a8_gemm,
-    tuned_config,
-)
+from fastdeploy.model_executor.ops.triton_ops import fp8_gemm_kernel  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import block_m_for, launch_moe_gemm  # noqa: E402
 
 DEV = "cuda"
@@ -56,8 +54,11 @@ SHAPES = {
 MS = (1, 16, 64, 512, 4096)
 
 
+REP_MS = 150  # do_bench's measuring time a timing; the small sweep shortens it
+
+
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=150)
+    return triton.testing.do_bench(fn, warmup=25, rep=REP_MS)
 
 
 def ceilings() -> dict:
@@ -86,7 +87,74 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def case(name: str, N: int, K: int, M: int, g: torch.Generator, cfg: dict | None = None) -> dict:
+def load_before(path: str):
+    """An earlier ``fp8_gemm_kernel.py`` as a module (its imports resolve in this checkout)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fp8_gemm_kernel_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def gemm_fn(mod, x: torch.Tensor, N: int, ws: torch.Tensor, cfg: dict | None = None):
+    """fn(weight codes) -> out, running module ``mod``'s GEMM as ``fp8_gemm.w8a8_block_linear``
+    does, with its own tuned config; buffers allocated once. Handles the API before the split-K
+    sum kernel (partials summed by torch, activations optionally quantized inside the GEMM)."""
+    M, K = x.shape
+    cfg = cfg or mod.tuned_config(M, N, K)
+    a = torch.empty(M, K, device=DEV, dtype=torch.uint8)
+    a_s = torch.empty(M, K // 128, device=DEV)
+    out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+    sk = cfg["split_k"]
+    part = torch.empty(sk, M, N, device=DEV) if sk > 1 else None
+    new_api = hasattr(mod, "_splitk_sum_kernel")
+
+    def fn(wi: torch.Tensor) -> torch.Tensor:
+        if cfg.get("fuse_quant"):
+            a_in, a_s_in = x, None
+        else:
+            mod.launch_act_quant(x, a, a_s)
+            a_in, a_s_in = a, a_s
+        if new_api:
+            mod.launch_w8a8_gemm(a_in, a_s_in, wi, ws, out, cfg, part)
+            return out
+        if part is None:
+            mod.launch_w8a8_gemm(a_in, a_s_in, wi, ws, out, cfg)
+            return out
+        mod.launch_w8a8_gemm(a_in, a_s_in, wi, ws, part, cfg)
+        return part.sum(0).to(torch.bfloat16)
+
+    fn.cfg = cfg
+    return fn
+
+
+def deepgemm_fn(x: torch.Tensor, N: int, ws: torch.Tensor):
+    """fn(weight codes) -> out through DeepGEMM's ``fp8_gemm_nt`` on the same codes and scales, the
+    activations quantized by our kernel beforehand (not timed) and their scales given in the
+    M-major TMA-aligned layout it reads; None where deep_gemm does not import."""
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    M, K = x.shape
+    a = torch.empty(M, K, device=DEV, dtype=torch.uint8)
+    a_s = torch.empty(M, K // 128, device=DEV)
+    launch_act_quant(x, a, a_s)
+    sfa = deep_gemm.get_mn_major_tma_aligned_tensor(a_s)
+    a8 = a.view(torch.float8_e4m3fn)
+    out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+
+    def fn(wi: torch.Tensor) -> torch.Tensor:
+        deep_gemm.fp8_gemm_nt((a8, sfa), (wi.view(torch.float8_e4m3fn), ws), out)
+        return out
+
+    return fn
+
+
+def case(
+    name: str, N: int, K: int, M: int, g: torch.Generator, cfg: dict | None = None, before=None, small_sweep=False
+) -> dict:
     x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
     w = torch.randn(N, K, device=DEV, generator=g) * 0.02
     ws = w.view(N // 128, 128, K // 128, 128).abs().amax((1, 3)) / 448  # block scales
@@ -95,29 +163,15 @@ def case(name: str, N: int, K: int, M: int, g: torch.Generator, cfg: dict | None
     codes_u8 = codes.view(torch.uint8)
     w_bf16 = w_deq.to(torch.bfloat16)
 
-    cfg = cfg or tuned_config(M, N, K)
-    a = torch.empty(M, K, device=DEV, dtype=torch.uint8)
-    a_s = torch.empty(M, K // 128, device=DEV)
-    out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
-    part = torch.empty(cfg["split_k"], M, N, device=DEV) if cfg["split_k"] > 1 else None
-
-    def ours(wi: torch.Tensor = codes_u8) -> torch.Tensor:
-        """As ``fp8_gemm.w8a8_block_linear`` runs it: small M quantizes inside the GEMM."""
-        if cfg.get("fuse_quant"):
-            a_in, a_s_in = x, None
-        else:
-            launch_act_quant(x, a, a_s)
-            a_in, a_s_in = a, a_s
-        if part is None:
-            launch_w8a8_gemm(a_in, a_s_in, wi, ws, out, cfg)
-            return out
-        launch_w8a8_gemm(a_in, a_s_in, wi, ws, part, cfg)
-        return part.sum(0).to(torch.bfloat16)
-
+    ours = gemm_fn(fp8_gemm_kernel, x, N, ws, cfg)
     want = quantize_ref(x) @ w_deq.T
-    row = {"shape": name, "N": N, "K": K, "M": M, "config": cfg, "rel_err": rel(ours(), want)}
+    row = {"shape": name, "N": N, "K": K, "M": M, "config": ours.cfg, "rel_err": rel(ours(codes_u8), want)}
+    row["correct"] = row["rel_err"] < 1e-2
     flops = 2 * M * N * K
-    row["ours_ms"] = bench(ours)
+    if small_sweep:  # graph replays only
+        row["ours_graph_ms"] = graph_ms(ours, codes_u8)
+        return row
+    row["ours_ms"] = bench(lambda: ours(codes_u8))
     if sweep_only:
         row["ours_tflops"] = flops / row["ours_ms"] / 1e9
         return row
@@ -136,7 +190,11 @@ def case(name: str, N: int, K: int, M: int, g: torch.Generator, cfg: dict | None
         row["scaled_mm_ms"] = bench(lambda: torch._scaled_mm(x8, w8t, x_s, w_st, out_dtype=torch.bfloat16))
     except Exception as e:  # noqa: BLE001 - reported, the rest still runs
         row["scaled_mm_error"] = repr(e)[:200]
-    for k in ("ours", "bf16", "scaled_mm"):
+    dg = deepgemm_fn(x, N, ws)
+    if dg is not None:
+        row["deepgemm_rel_err"] = rel(dg(codes_u8), want)
+        row["deepgemm_ms"] = bench(lambda: dg(codes_u8))
+    for k in ("ours", "bf16", "scaled_mm", "deepgemm"):
         if f"{k}_ms" in row:
             row[f"{k}_tflops"] = flops / row[f"{k}_ms"] / 1e9
     row["ours_gbps"] = (N * K + M * K * 2 + M * N * 2) / row["ours_ms"] / 1e6
@@ -145,7 +203,15 @@ def case(name: str, N: int, K: int, M: int, g: torch.Generator, cfg: dict | None
         row["ours_graph_ms"] = graph_ms(ours, codes_u8)
         row["bf16_graph_ms"] = graph_ms(lambda wi: x @ wi.T, w_bf16)
         row["graph_speedup"] = row["bf16_graph_ms"] / row["ours_graph_ms"]
-    row["correct"] = row["rel_err"] < 1e-2
+        row["ours_graph_gbps"] = (N * K + M * K * 2 + M * N * 2) / row["ours_graph_ms"] / 1e6
+        if dg is not None:
+            row["deepgemm_graph_ms"] = graph_ms(dg, codes_u8)
+        if before is not None:
+            prev = gemm_fn(before, x, N, ws)
+            row["before_config"] = prev.cfg
+            row["before_rel_err"] = rel(prev(codes_u8), want)
+            row["before_ms"] = bench(lambda: prev(codes_u8))
+            row["before_graph_ms"] = graph_ms(prev, codes_u8)
     return row
 
 
@@ -303,7 +369,15 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true", help="tile configs instead (kernel rows only)")
     ap.add_argument("--moe-sweep", action="store_true", help="fused MoE tile configs (kernel rows only)")
+    ap.add_argument("--small-sweep", action="store_true", help="M <= 64 tile / split configs, graph replays")
+    ap.add_argument("--gemm-only", action="store_true", help="skip the fused MoE rows")
+    ap.add_argument("--before", help="an earlier fp8_gemm_kernel.py, timed beside ours at M <= 64")
+    ap.add_argument("--compare", help="an earlier --json result: each row's ratio to it, > 5%% slower flagged")
+    ap.add_argument("--against", help="with --compare: this result instead of a new run (no GPU needed)")
     args = ap.parse_args()
+    if args.compare and args.against:
+        with open(args.compare) as f, open(args.against) as g2:
+            sys.exit(compare(json.load(f), json.load(g2)))
     g = torch.Generator(device=DEV).manual_seed(0)
     if args.moe_sweep:
         sweep_only = True
@@ -346,16 +420,6 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                     rows.append({"shape": name, "M": M, "config": cfg, "error": repr(e)[:150]})
                 print(json.dumps(rows[-1]), flush=True)
-        for name in ("expert_down", "expert_gate_up", "o_proj"):
-            N, K = SHAPES[name]
-            for bn in (16, 32, 64):
-                for split in (1, 2, 4):
-                    cfg = {"block_m": 16, "block_n": bn, "num_warps": 4, "num_stages": 4, "split_k": split}
-                    try:
-                        rows.append(case(name, N, K, 1, g, cfg))
-                    except Exception as e:  # noqa: BLE001
-                        rows.append({"shape": name, "M": 1, "config": cfg, "error": repr(e)[:150]})
-                    print(json.dumps(rows[-1]), flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -373,14 +437,20 @@ def main() -> None:
                 f"{r.get('ours_tflops', float('nan')):.0f}",
             )
         return
+    if args.small_sweep:
+        global REP_MS
+        REP_MS = 50
+        small_sweep(g, args.json)
+        return
+    before = load_before(args.before) if args.before else None
     res = {"device": torch.cuda.get_device_name(), **ceilings(), "gemm": []}
     for name, (N, K) in SHAPES.items():
         for M in MS:
-            res["gemm"].append(case(name, N, K, M, g))
+            res["gemm"].append(case(name, N, K, M, g, before=before))
             print(json.dumps(res["gemm"][-1]), flush=True)
     res["moe"] = []
-    w = moe_weights(g)
-    for fp8 in (False, True):
+    w = moe_weights(g) if not args.gemm_only else None
+    for fp8 in (False, True) if w is not None else ():
         ceil = res["fp8_rowwise_tflops"] if fp8 else res["bf16_tflops"]
         for T in (1, 16, 64, 512, 4096):
             res["moe"].append(moe_case(T, fp8, w, g, ceil))
@@ -409,6 +479,88 @@ def main() -> None:
         vals += (r.get("ours_graph_ms", nan),)
         lead = f"{'fp8' if r['fp8'] else 'bf16':>9} {r['T']:9} {'y' if r['correct'] else 'N':>9} "
         print(lead + " ".join(f"{v:9.3f}" for v in vals))
+    print_small(res["gemm"])
+    if args.compare:
+        with open(args.compare) as f:
+            sys.exit(compare(json.load(f), res))
+
+
+def print_small(rows: list) -> None:
+    """The M <= 64 rows as graph replays: ours, before, bf16, DeepGEMM, in ms and GB/s."""
+    nan = float("nan")
+    print("M <= 64 as CUDA-graph replays over cold weights (ms; GB/s of ours; ratios: bf16 / ours)")
+    head = ("shape", "M", "ours", "GB/s", "before", "bf16", "deepgemm", "vs bf16", "vs before", "vs DG")
+    print(" ".join(f"{h:>14}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
+    for r in rows:
+        if r["M"] > 64:
+            continue
+        o, b, f, d = (r.get(k, nan) for k in ("ours_graph_ms", "before_graph_ms", "bf16_graph_ms", "deepgemm_graph_ms"))
+        vals = (o * 1e3, r.get("ours_graph_gbps", nan), b * 1e3, f * 1e3, d * 1e3, f / o, b / o, d / o)
+        print(f"{r['shape']:>14} {r['M']:9} " + " ".join(f"{v:9.2f}" for v in vals))
+
+
+def row_key(r: dict) -> tuple:
+    return ("gemm", r["shape"], r["M"]) if "shape" in r else ("moe", r["fp8"], r["T"])
+
+
+def compare(old: dict, new: dict, slack: float = 0.05) -> int:
+    """Print new / old time for every row and time column both runs have; return 1 (and say which)
+    if any is more than ``slack`` slower, else 0."""
+    before = {row_key(r): r for r in old.get("gemm", []) + old.get("moe", [])}
+    slow = []
+    for r in new.get("gemm", []) + new.get("moe", []):
+        o = before.get(row_key(r))
+        if o is None:
+            continue
+        for col in ("ours_ms", "ours_graph_ms"):
+            if col in r and col in o:
+                ratio = r[col] / o[col]
+                flag = "SLOWER" if ratio > 1 + slack else ""
+                name = "/".join(map(str, row_key(r)))
+                print(f"{name:>32} {col:>14} {o[col]:9.4f} -> {r[col]:9.4f} {ratio:6.2f}x {flag}")
+                if flag:
+                    slow.append((row_key(r), col, ratio))
+    for k, col, ratio in slow:
+        print(f"regression: {k} {col} {ratio:.2f}x the stored run")
+    return 1 if slow else 0
+
+
+def small_sweep(g: torch.Generator, out: str | None) -> None:
+    """M = 1 / 16 / 64 on every shape over tile widths, warps, stages and K splits, as graph replays
+    (bf16 beside)."""
+    rows, bf16 = [], {}
+    for name, (N, K) in SHAPES.items():
+        for M in (1, 16, 64):
+            n_kb = K // 128
+            for bn, nw, st, split in product((32, 64, 128, 256), (4, 8), (3, 4), (1, 2, 4, 8, 16)):
+                if n_kb // split < 2 or (nw == 8 and bn < 128):
+                    continue
+                cfg = {"block_m": max(16, 1 << (M - 1).bit_length()), "block_n": bn, "num_warps": nw}
+                cfg.update(num_stages=st, split_k=-(-n_kb // -(-n_kb // split)))
+                try:
+                    rows.append(case(name, N, K, M, g, cfg, small_sweep=True))
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    rows.append({"shape": name, "M": M, "config": cfg, "error": repr(e)[:150]})
+                us = rows[-1].get("ours_graph_ms", float("nan")) * 1e3
+                print(name, M, bn, nw, st, split, f"{us:.2f} us", flush=True)
+            x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+            w = (torch.randn(N, K, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+            bf16[(name, M)] = graph_ms(lambda wi: x @ wi.T, w)  # noqa: B023 - called at once
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    best = {}
+    for r in rows:
+        k = (r["shape"], r["M"])
+        if "ours_graph_ms" in r and (k not in best or r["ours_graph_ms"] < best[k]["ours_graph_ms"]):
+            best[k] = r
+    for (name, M), r in best.items():
+        tuned = fp8_gemm_kernel.tuned_config(M, *SHAPES[name])
+        same = [x for x in rows if (x["shape"], x["M"]) == (name, M) and x["config"] == tuned]
+        tuned_us = same[0]["ours_graph_ms"] * 1e3 if same else float("nan")
+        best_us, b = r["ours_graph_ms"] * 1e3, bf16[(name, M)] * 1e3
+        print(f"best {name} M={M}: {r['config']} {best_us:.2f} us; tuned {tuned} {tuned_us:.2f} us")
+        print(f"    bf16 {b:.2f} us: best {b / best_us:.2f}x, tuned {b / tuned_us:.2f}x")
 
 
 if __name__ == "__main__":

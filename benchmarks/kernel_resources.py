@@ -167,7 +167,7 @@ def cases():
             f"w8a8_gemm m{cfg['block_m']} n{cfg['block_n']}",
             gemm._w8a8_gemm_kernel,
             {
-                "A": "*bf16" if cfg["fuse_quant"] else "*u8",
+                "A": "*u8",
                 "AS": "*fp32",
                 "B": "*u8",
                 "BS": "*fp32",
@@ -176,11 +176,17 @@ def cases():
                 "BLOCK_M": "constexpr",
                 "BLOCK_N": "constexpr",
                 "DOT_FP8": "constexpr",
-                "QUANT_A": "constexpr",
             },
-            {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "DOT_FP8": True, "QUANT_A": cfg["fuse_quant"]},
+            {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "DOT_FP8": True},
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )
+    yield (
+        "fp8_splitk_sum",
+        gemm._splitk_sum_kernel,
+        {"P": "*fp32", "C": "*bf16", "S": "i32", "MN": "i32", "BLOCK": "constexpr"},
+        {"BLOCK": gemm.SUM_BLOCK},
+        {},
+    )
     tiles = {"EPS": sampler.SAMPLING_EPS, "BLOCK": 2048}
     yield (
         "sampler_prepare",

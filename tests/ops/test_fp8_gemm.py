@@ -61,30 +61,61 @@ def test_matches_float64(impl, M, N, K, rng):
 
 
 @pytest.mark.parametrize(
-    "cfg", [{"block_m": 16, "block_n": 32, "split_k": 1}, {"block_m": 32, "block_n": 64, "split_k": 3}]
+    "M, cfg",
+    [
+        (20, {"block_m": 16, "block_n": 32, "split_k": 1}),
+        (20, {"block_m": 32, "block_n": 64, "split_k": 3}),
+        (1, {"block_m": 16, "block_n": 16, "split_k": 2}),
+        (65, {"block_m": 64, "block_n": 64, "split_k": 3}),
+        (5, {"block_m": 16, "block_n": 128, "split_k": 1}),
+        (33, {"block_m": 64, "block_n": 128, "split_k": 2}),
+    ],
 )
-def test_tiles_and_split_k(cfg, rng):
-    """A one-split launch writes the output directly; split partials sum to the same product."""
-    x, codes, scale = make(rng, 20, 70, 300)
+def test_tiles_and_split_k(M, cfg, rng):
+    """Every tile shape and split writes each output element once: partials (NaN-poisoned first)
+    summed by the second launch equal the float64 product. N 300 spans three weight-scale rows and
+    ends inside a tile."""
+    x, codes, scale = make(rng, M, 300, 300)
     a, a_s = quantize_activations_ref(paddle.to_tensor(x))
-    out = paddle.full([cfg["split_k"], 20, 70], float("nan"), "float32")
+    out = paddle.full([M, 300], float("nan"), "float32")
+    part = paddle.full([cfg["split_k"], M, 300], float("nan"), "float32") if cfg["split_k"] > 1 else None
     launch_w8a8_gemm(
-        a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, {**cfg, "num_warps": 4, "num_stages": 1}
+        a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, {**cfg, "num_warps": 4, "num_stages": 1}, part
     )
-    got = out.numpy().sum(0)
     want = numpy_ref(x, codes, scale)
+    got = out.numpy()
+    assert np.isfinite(got).all()
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_quantization_inside_the_gemm(split_k, rng):
-    """The one-launch path (activations in, quantized per K block in the GEMM) against float64."""
-    x, codes, scale = make(rng, 9, 70, 300)
-    cfg = {"block_m": 16, "block_n": 64, "split_k": split_k, "num_warps": 4, "num_stages": 1}
-    out = paddle.full([split_k, 9, 70], float("nan"), "float32")
-    launch_w8a8_gemm(paddle.to_tensor(x), None, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
-    want = numpy_ref(x, codes, scale)
-    np.testing.assert_allclose(out.numpy().sum(0), want, rtol=0, atol=1e-5 * np.abs(want).max())
+def test_split_k_needs_its_partials(rng):
+    x, codes, scale = make(rng, 3, 70, 300)
+    a, a_s = quantize_activations_ref(paddle.to_tensor(x))
+    cfg = {"block_m": 16, "block_n": 64, "split_k": 3, "num_warps": 4, "num_stages": 1}
+    out = paddle.empty([3, 70], "float32")
+    with pytest.raises(ValueError, match=r"float32 partials \[3, 3, 70\]"):
+        launch_w8a8_gemm(a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
+    with pytest.raises(ValueError, match="leaves a split empty"):
+        launch_w8a8_gemm(a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, {**cfg, "split_k": 4})
+
+
+@pytest.mark.parametrize("M", [1, 16, 17, 64])
+@pytest.mark.parametrize("N, K", [(7168, 16384), (4096, 7168), (24576, 1536), (200, 300), (7, 128), (36864, 7168)])
+def test_small_m_config_fills_the_machine(M, N, K):
+    """Decode sizes split K only while the tiles fill fewer than two waves of 132 SMs, never below
+    4 K blocks a split, and every split gets K blocks; tiles divide the weight-scale blocks; large
+    M never splits."""
+    from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import tuned_config
+
+    cfg = tuned_config(M, N, K)
+    n_kb, tiles = -(-K // 128), -(-M // cfg["block_m"]) * -(-N // cfg["block_n"])
+    per = -(-n_kb // cfg["split_k"])
+    assert -(-n_kb // per) == cfg["split_k"] and cfg["block_m"] >= M and 128 % cfg["block_n"] == 0
+    if cfg["split_k"] > 1:
+        assert per >= 4 and tiles * cfg["split_k"] // 2 < 2 * 132
+    if tiles >= 2 * 132:
+        assert cfg["split_k"] == 1
+    assert tuned_config(4096, N, K)["split_k"] == 1
 
 
 def test_bad_weights_named(rng):
@@ -117,16 +148,3 @@ def test_activation_ties_round_to_even():
     np.testing.assert_array_equal(E4M3_TO_F32[codes.numpy()].astype(np.float64), want)
     ref_codes, _ = quantize_activations_ref(paddle.to_tensor(x))
     np.testing.assert_array_equal(E4M3_TO_F32[ref_codes.numpy()].astype(np.float64), want)
-
-
-def test_ties_round_to_even_inside_the_gemm():
-    """The one-launch path quantizes in the GEMM: with identity weights (code 0x38 = 1.0, scale 1)
-    the output is the rounded activations themselves."""
-    x = tie_rows()
-    codes = np.zeros((128, 128), np.uint8)
-    np.fill_diagonal(codes, 0x38)
-    assert E4M3_TO_F32[0x38] == 1.0
-    out = paddle.full([1, 2, 128], float("nan"), "float32")
-    cfg = {"block_m": 16, "block_n": 64, "split_k": 1, "num_warps": 4, "num_stages": 1}
-    launch_w8a8_gemm(paddle.to_tensor(x), None, paddle.to_tensor(codes), paddle.ones([1, 1], "float32"), out, cfg)
-    np.testing.assert_array_equal(out.numpy()[0].astype(np.float64), e4m3_round(x.astype(np.float64)))

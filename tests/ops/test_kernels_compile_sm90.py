@@ -32,6 +32,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
         "mla_prefill",
         "fp8_act_quant",
         "w8a8_gemm",
+        "fp8_splitk_sum",
         "sampler_prepare",
         "sampler_cuts",
         "sampler_compact",

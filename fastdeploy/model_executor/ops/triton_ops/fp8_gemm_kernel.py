@@ -6,12 +6,17 @@ ws [ceil(N/128), ceil(K/128)] (the real weight is code * scale per 128 x 128 blo
    e4m3 code of x / s (round to nearest even, the same integer rounding as the FP8 cache writer).
 2. ``_w8a8_gemm_kernel``: for each 128-wide K block, one FP8 x FP8 tensor-core dot with float32
    accumulation, scaled by the token's activation scale times the weight block's scale, summed
-   over K blocks. BLOCK_N divides 128, so a tile's columns share one weight scale per K block.
+   over K blocks. BLOCK_N divides 128, so a tile's columns share one weight scale per K block
+   (a per-column scale vector, which would allow 256-wide tiles, ran M = 64 10-20% slower and the
+   wide tiles never won: h200_2026-12-03_fp8_gemm_small_sweep2.json).
    With SPLIT_K > 1 each program sums its share of the K blocks into a float32 partial
-   [SPLIT_K, M, N], which the caller sums (small M: more programs than M x N tiles alone give).
-3. QUANT_A (small M): the GEMM takes the activations and quantizes each K block of its rows in
-   registers, the same way, so a decode-sized linear is one launch instead of two; each N tile
-   repeats the quantization of its M <= 64 rows, which costs little beside the weight it streams.
+   [SPLIT_K, M, N] (small M: more programs streaming the weight than M x N tiles alone give).
+3. ``_splitk_sum_kernel``: the partials summed in split order and cast to the output dtype.
+
+Activations are quantized once a GEMM, never inside it: a one-launch path that quantized each
+K block of the activation rows in every N tile ran decode-sized GEMMs up to 5x slower on the H200
+(the amax and rounding of a [BLOCK_M, 128] block sit between each weight load and its dot; with
+tens to hundreds of N tiles, the same rows were quantized that many times; benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -62,7 +67,6 @@ def _w8a8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP8: tl.constexpr,
-    QUANT_A: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -82,12 +86,7 @@ def _w8a8_gemm_kernel(
         k_ok = kb * 128 + kk < K
         a = tl.load(a_ptr + kb * 128, mask=r_ok[:, None] & k_ok[None, :], other=0)
         b = tl.load(b_ptr + kb * 128, mask=c_ok[:, None] & k_ok[None, :], other=0)
-        if QUANT_A:  # A holds the activations: quantize this block here, as _act_quant_kernel does
-            af = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(af), 1), _FLOOR) / _FMAX
-            a = _e4m3_byte(tl.minimum(tl.maximum(af / a_s[:, None], -_FMAX), _FMAX))
-        else:
-            a_s = tl.load(AS + rows.to(tl.int64) * sas + kb, mask=r_ok, other=0.0)
+        a_s = tl.load(AS + rows.to(tl.int64) * sas + kb, mask=r_ok, other=0.0)
         a = a.to(tl.float8e4nv, bitcast=True)
         b = b.to(tl.float8e4nv, bitcast=True)
         if not DOT_FP8:  # the interpreter: exact products in float32
@@ -100,22 +99,44 @@ def _w8a8_gemm_kernel(
     tl.store(dst, acc.to(C.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
 
 
+@triton.jit
+def _splitk_sum_kernel(P, C, S, MN, BLOCK: tl.constexpr):
+    """C [MN] = sum over s of P [s, MN] (float32, in split order), cast to C's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(S):
+        acc += tl.load(P + s * MN + offs, mask=ok, other=0.0)  # S * M * N < 2**31 at M <= 64
+    tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
+
+
 def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
-    """Tile and split-K for a shape, from an H200 sweep (benchmarks/results/
-    h200_2026-12-03_fp8_gemm_sweep.json): M >= 128 takes 128 x 128 tiles on 8 warps with 5 stages
-    (dense gate_up, M 4096: 3.78 ms against 4.06 with 3 stages); small M takes 16 x 64 tiles and
-    splits K in 4 only for long K (o_proj, K 16384, M 1: 0.050 ms against 0.065), since the
-    partial sum's extra launch costs more than it saves on shorter K (expert down, M 1: 0.024 ms
-    unsplit, 0.044 in 4)."""
+    """Tile and split-K for a shape, from H200 sweeps. M >= 128 (benchmarks/results/
+    h200_2026-12-03_fp8_gemm_sweep.json): 128 x 128 tiles on 8 warps with 5 stages (dense gate_up,
+    M 4096: 3.78 ms against 4.06 with 3 stages). M <= 64 (h200_2026-12-03_fp8_gemm_small_sweep*.json,
+    CUDA-graph replays over cold weights): the GEMM streams the weight once and needs enough
+    programs in flight to cover HBM latency, so K is split while the tiles fill fewer SMs than
+    wanted. M <= 16 wants about two waves and keeps >= 8 K blocks a split (expert gate_up 4096 x
+    7168: 4 splits 15.4 us, 1 split 28.2). M 17..64: the float32 partials are 4x larger and every
+    N tile re-reads the activations from L2, so only long K splits, to one wave, and then on
+    128-wide tiles (o_proj 7168 x 16384: 54.9 us against 80.0 on 64-wide ones)."""
     n_kb = triton.cdiv(K, FP8_BLOCK)
     if M >= 128:
-        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1, "fuse_quant": False}
-    cfg = {"block_m": max(16, triton.next_power_of_2(M)), "block_n": 64, "num_warps": 4, "num_stages": 4}
-    cfg["fuse_quant"] = True  # one launch for a decode-sized linear
-    tiles = triton.cdiv(M, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"])
-    split = 4 if n_kb >= 64 and tiles < num_sms else 1
-    cfg["split_k"] = triton.cdiv(n_kb, triton.cdiv(n_kb, split))  # every split gets K blocks
-    return cfg
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1}
+    block_m = max(16, triton.next_power_of_2(M))
+    tiles64 = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
+    long_k = n_kb >= 32
+    if M <= 16:
+        block_n, waves, min_kb = 64, 2, 8
+    else:
+        block_n = 128 if long_k and tiles64 < num_sms else 64
+        waves, min_kb = (1, 4) if long_k else (0, n_kb)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split = 1
+    while tiles * split < waves * num_sms and n_kb // (2 * split) >= min_kb:
+        split *= 2
+    split = triton.cdiv(n_kb, triton.cdiv(n_kb, split))  # every split gets K blocks
+    return {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 4, "split_k": split}
 
 
 def launch_act_quant(x, codes, scales) -> None:
@@ -130,35 +151,43 @@ def launch_act_quant(x, codes, scales) -> None:
     )
 
 
-def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict) -> None:
-    """a uint8 [M, K] codes with a_s float32 [M, ceil(K/128)], or (a_s None) the activations
-    bf16 / float32 [M, K] quantized inside the GEMM; b uint8 [N, K], b_s float32
-    [ceil(N/128), ceil(K/128)] -> out [SPLIT_K, M, N] (float32 partials when cfg["split_k"] > 1,
-    else [1, M, N] or [M, N] in the output dtype)."""
+SUM_BLOCK = 1024
+
+
+def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
+    """a uint8 [M, K] codes with a_s float32 [M, ceil(K/128)], b uint8 [N, K], b_s float32
+    [ceil(N/128), ceil(K/128)] -> out [M, N] (contiguous, bf16 / float32). cfg["split_k"] > 1
+    needs part float32 [split_k, M, N] for the partials, summed into out by a second launch."""
     M, K, N = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
     if M == 0 or N == 0:
         return
     n_kb = triton.cdiv(K, FP8_BLOCK)
-    per = triton.cdiv(n_kb, cfg["split_k"])
-    if triton.cdiv(n_kb, per) != cfg["split_k"] or 128 % cfg["block_n"]:
+    split = cfg["split_k"]
+    per = triton.cdiv(n_kb, split)
+    if triton.cdiv(n_kb, per) != split or 128 % cfg["block_n"]:
         raise ValueError(
-            f"w8a8 gemm: split_k {cfg['split_k']} leaves a split empty for {n_kb} K blocks, or block_n "
+            f"w8a8 gemm: split_k {split} leaves a split empty for {n_kb} K blocks, or block_n "
             f"{cfg['block_n']} does not divide 128"
         )
-    grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]), cfg["split_k"])
+    if split > 1 and split * M * N >= 2**31:
+        raise ValueError(f"w8a8 gemm: split_k {split} partials of [{M}, {N}] overflow int32 offsets")
+    if split > 1 and (part is None or list(part.shape) != [split, M, N]):
+        raise ValueError(f"w8a8 gemm: split_k {split} needs float32 partials [{split}, {M}, {N}]")
+    dst = part if split > 1 else out
+    grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]), split)
     launch(
         _w8a8_gemm_kernel,
         grid,
         a,
-        a if a_s is None else a_s,
+        a_s,
         b,
         b_s,
-        out,
+        dst,
         M,
         N,
         K,
         stride(a, 0),
-        0 if a_s is None else stride(a_s, 0),
+        stride(a_s, 0),
         stride(b, 0),
         stride(b_s, 0),
         M * N,
@@ -167,7 +196,8 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict) -> None:
         BLOCK_M=cfg["block_m"],
         BLOCK_N=cfg["block_n"],
         DOT_FP8=not interpret_mode(),
-        QUANT_A=a_s is None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    if split > 1:
+        launch(_splitk_sum_kernel, (triton.cdiv(M * N, SUM_BLOCK),), part, out, split, M * N, BLOCK=SUM_BLOCK)
