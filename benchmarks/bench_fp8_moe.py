@@ -99,8 +99,9 @@ def load_before(path: str):
 
 def gemm_fn(mod, x: torch.Tensor, N: int, ws: torch.Tensor, cfg: dict | None = None):
     """fn(weight codes) -> out, running module ``mod``'s GEMM as ``fp8_gemm.w8a8_block_linear``
-    does, with its own tuned config; buffers allocated once. Handles the API before the split-K
-    sum kernel (partials summed by torch, activations optionally quantized inside the GEMM)."""
+    does, with its own tuned config; buffers allocated once. cfg["fuse_quant"]: the activations
+    go in unquantized (quantized inside the GEMM). Handles the API before the split-K sum kernel
+    (partials summed by torch)."""
     M, K = x.shape
     cfg = cfg or mod.tuned_config(M, N, K)
     a = torch.empty(M, K, device=DEV, dtype=torch.uint8)
@@ -206,6 +207,9 @@ def case(
         row["ours_graph_gbps"] = (N * K + M * K * 2 + M * N * 2) / row["ours_graph_ms"] / 1e6
         if dg is not None:
             row["deepgemm_graph_ms"] = graph_ms(dg, codes_u8)
+        fused = gemm_fn(fp8_gemm_kernel, x, N, ws, {**ours.cfg, "fuse_quant": True})
+        row["fused_rel_err"] = rel(fused(codes_u8), want)
+        row["fused_graph_ms"] = graph_ms(fused, codes_u8)
         if before is not None:
             prev = gemm_fn(before, x, N, ws)
             row["before_config"] = prev.cfg
@@ -462,13 +466,14 @@ def main() -> None:
         f"ceilings: bf16 {res['bf16_tflops']:.0f} TFLOP/s, FP8 row-wise {res['fp8_rowwise_tflops']:.0f} TFLOP/s, "
         f"copy {res['copy_gbps']:.0f} GB/s"
     )
-    head = ("shape", "M", "ok", "ours ms", "TFLOP/s", "GB/s", "bf16 ms", "scaled_mm", "vs bf16", "vs s_mm", "graph x")
+    head = ("shape", "M", "ok", "ours ms", "TFLOP/s", "GB/s", "bf16 ms", "scaled_mm", "deepgemm", "DG TF/s")
+    head += ("vs bf16", "vs s_mm", "vs DG", "graph x")
     print(" ".join(f"{h:>14}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
     nan = float("nan")
     for r in res["gemm"]:
-        sm = r.get("scaled_mm_ms", nan)
-        vals = (r["ours_ms"], r["ours_tflops"], r["ours_gbps"], r["bf16_ms"], sm, r["bf16_ms"] / r["ours_ms"])
-        vals += (sm / r["ours_ms"], r.get("graph_speedup", nan))
+        sm, dg = r.get("scaled_mm_ms", nan), r.get("deepgemm_ms", nan)
+        vals = (r["ours_ms"], r["ours_tflops"], r["ours_gbps"], r["bf16_ms"], sm, dg, r.get("deepgemm_tflops", nan))
+        vals += (r["bf16_ms"] / r["ours_ms"], sm / r["ours_ms"], dg / r["ours_ms"], r.get("graph_speedup", nan))
         lead = f"{r['shape']:>14} {r['M']:9} {'y' if r['correct'] else 'N':>9} "
         print(lead + " ".join(f"{v:9.3f}" for v in vals))
     print("fused MoE, 256 experts top-8, 7168 -> 2048 -> 7168 (ceiling: bf16 or FP8 row-wise of this run)")
@@ -489,13 +494,14 @@ def print_small(rows: list) -> None:
     """The M <= 64 rows as graph replays: ours, before, bf16, DeepGEMM, in ms and GB/s."""
     nan = float("nan")
     print("M <= 64 as CUDA-graph replays over cold weights (ms; GB/s of ours; ratios: bf16 / ours)")
-    head = ("shape", "M", "ours", "GB/s", "before", "bf16", "deepgemm", "vs bf16", "vs before", "vs DG")
+    head = ("shape", "M", "ours", "GB/s", "before", "in-GEMM q", "bf16", "deepgemm", "vs bf16", "vs before", "vs DG")
     print(" ".join(f"{h:>14}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
     for r in rows:
         if r["M"] > 64:
             continue
-        o, b, f, d = (r.get(k, nan) for k in ("ours_graph_ms", "before_graph_ms", "bf16_graph_ms", "deepgemm_graph_ms"))
-        vals = (o * 1e3, r.get("ours_graph_gbps", nan), b * 1e3, f * 1e3, d * 1e3, f / o, b / o, d / o)
+        keys = ("ours_graph_ms", "before_graph_ms", "fused_graph_ms", "bf16_graph_ms", "deepgemm_graph_ms")
+        o, b, q, f, d = (r.get(k, nan) for k in keys)
+        vals = (o * 1e3, r.get("ours_graph_gbps", nan), b * 1e3, q * 1e3, f * 1e3, d * 1e3, f / o, b / o, d / o)
         print(f"{r['shape']:>14} {r['M']:9} " + " ".join(f"{v:9.2f}" for v in vals))
 
 

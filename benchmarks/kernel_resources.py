@@ -162,12 +162,13 @@ def cases():
         {"FP8_BLOCK_": 128},
         {},
     )
-    for cfg in (gemm.tuned_config(4096, 7168, 2048), gemm.tuned_config(1, 7168, 16384)):  # large and small M
+    small = gemm.tuned_config(1, 7168, 16384)
+    for cfg, fused in ((gemm.tuned_config(4096, 7168, 2048), False), (small, False), (small, True)):
         yield (
-            f"w8a8_gemm m{cfg['block_m']} n{cfg['block_n']}",
+            f"w8a8_gemm m{cfg['block_m']} n{cfg['block_n']}{' quant_a' if fused else ''}",
             gemm._w8a8_gemm_kernel,
             {
-                "A": "*u8",
+                "A": "*bf16" if fused else "*u8",
                 "AS": "*fp32",
                 "B": "*u8",
                 "BS": "*fp32",
@@ -176,8 +177,9 @@ def cases():
                 "BLOCK_M": "constexpr",
                 "BLOCK_N": "constexpr",
                 "DOT_FP8": "constexpr",
+                "QUANT_A": "constexpr",
             },
-            {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "DOT_FP8": True},
+            {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "DOT_FP8": True, "QUANT_A": fused},
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )
     yield (

@@ -148,3 +148,30 @@ def test_activation_ties_round_to_even():
     np.testing.assert_array_equal(E4M3_TO_F32[codes.numpy()].astype(np.float64), want)
     ref_codes, _ = quantize_activations_ref(paddle.to_tensor(x))
     np.testing.assert_array_equal(E4M3_TO_F32[ref_codes.numpy()].astype(np.float64), want)
+
+
+@pytest.mark.parametrize("M, split_k", [(1, 1), (9, 3)])
+def test_quantization_inside_the_gemm(M, split_k, rng):
+    """The experimental one-launch form (activations in, quantized per K block in every N tile)
+    against float64, NaN-poisoned, with the half-way rows that only ties-to-even rounds right."""
+    x, codes, scale = make(rng, M, 70, 300)
+    x[:, 128:256] = np.resize(tie_rows(), (M, 128))
+    cfg = {"block_m": 16, "block_n": 64, "split_k": split_k, "num_warps": 4, "num_stages": 1}
+    out = paddle.full([M, 70], float("nan"), "float32")
+    part = paddle.full([split_k, M, 70], float("nan"), "float32") if split_k > 1 else None
+    launch_w8a8_gemm(paddle.to_tensor(x), None, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg, part)
+    want = numpy_ref(x, codes, scale)
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_ties_round_to_even_inside_the_gemm():
+    """With identity weights (code 0x38 = 1.0, scale 1) the in-GEMM quantization's output is the
+    rounded activations themselves: exact, ties to even."""
+    x = tie_rows()
+    codes = np.zeros((128, 128), np.uint8)
+    np.fill_diagonal(codes, 0x38)
+    assert E4M3_TO_F32[0x38] == 1.0
+    out = paddle.full([2, 128], float("nan"), "float32")
+    cfg = {"block_m": 16, "block_n": 64, "split_k": 1, "num_warps": 4, "num_stages": 1}
+    launch_w8a8_gemm(paddle.to_tensor(x), None, paddle.to_tensor(codes), paddle.ones([1, 1], "float32"), out, cfg)
+    np.testing.assert_array_equal(out.numpy().astype(np.float64), e4m3_round(x.astype(np.float64)))

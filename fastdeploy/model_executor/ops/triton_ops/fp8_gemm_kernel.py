@@ -67,6 +67,7 @@ def _w8a8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP8: tl.constexpr,
+    QUANT_A: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -86,8 +87,17 @@ def _w8a8_gemm_kernel(
         k_ok = kb * 128 + kk < K
         a = tl.load(a_ptr + kb * 128, mask=r_ok[:, None] & k_ok[None, :], other=0)
         b = tl.load(b_ptr + kb * 128, mask=c_ok[:, None] & k_ok[None, :], other=0)
-        a_s = tl.load(AS + rows.to(tl.int64) * sas + kb, mask=r_ok, other=0.0)
-        a = a.to(tl.float8e4nv, bitcast=True)
+        if QUANT_A:  # A holds bf16 / float32 activations: _act_quant_kernel's math on this block
+            af = a.to(tl.float32)
+            a_s = tl.maximum(tl.max(tl.abs(af), 1), _FLOOR) / _FMAX
+            q = tl.minimum(tl.maximum(af / a_s[:, None], -_FMAX), _FMAX)
+            if DOT_FP8:  # the hardware conversion (cvt.rn.satfinite: nearest, ties to even)
+                a = q.to(tl.float8e4nv)
+            else:
+                a = _e4m3_byte(q).to(tl.float8e4nv, bitcast=True)
+        else:
+            a_s = tl.load(AS + rows.to(tl.int64) * sas + kb, mask=r_ok, other=0.0)
+            a = a.to(tl.float8e4nv, bitcast=True)
         b = b.to(tl.float8e4nv, bitcast=True)
         if not DOT_FP8:  # the interpreter: exact products in float32
             a = a.to(tl.float32)
@@ -157,7 +167,9 @@ SUM_BLOCK = 1024
 def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
     """a uint8 [M, K] codes with a_s float32 [M, ceil(K/128)], b uint8 [N, K], b_s float32
     [ceil(N/128), ceil(K/128)] -> out [M, N] (contiguous, bf16 / float32). cfg["split_k"] > 1
-    needs part float32 [split_k, M, N] for the partials, summed into out by a second launch."""
+    needs part float32 [split_k, M, N] for the partials, summed into out by a second launch.
+    a_s None: a holds the activations (bf16 / float32), quantized inside the GEMM in every N tile
+    (an experiment for M <= 16, off in tuned_config; benchmarks/README.md has its timings)."""
     M, K, N = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
     if M == 0 or N == 0:
         return
@@ -179,7 +191,7 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
         _w8a8_gemm_kernel,
         grid,
         a,
-        a_s,
+        a if a_s is None else a_s,
         b,
         b_s,
         dst,
@@ -187,7 +199,7 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
         N,
         K,
         stride(a, 0),
-        stride(a_s, 0),
+        0 if a_s is None else stride(a_s, 0),
         stride(b, 0),
         stride(b_s, 0),
         M * N,
@@ -196,6 +208,7 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
         BLOCK_M=cfg["block_m"],
         BLOCK_N=cfg["block_n"],
         DOT_FP8=not interpret_mode(),
+        QUANT_A=a_s is None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
