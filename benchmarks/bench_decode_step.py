@@ -1,5 +1,5 @@
 """H200: one DeepSeek-V3 decoder layer's decode step made of the project's kernels in the order the
-model launches them (``SWA_LAYER`` / ``FULL_LAYER``; a CPU test checks these lists against the
+model launches them (``attn_kernels`` / ``mlp_kernels``; a CPU test checks these lists against the
 tiny model's own launches), at TP 1 and TP 8 shapes, batch 1-256, context 4K and 32K: eager
 (Python launching every kernel), CUDA-graph replay, and the sum of its kernel times (profiler).
 Projected to 61 layers plus the LM head and the device sampler (timed here too) as time per
@@ -47,20 +47,30 @@ from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa
 )
 from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import tuned_config as mla_config  # noqa: E402
 
-# The Triton kernels of one layer's decode step, in launch order (``_combine_kernel`` follows the
-# sparse MLA kernel when it splits the keys; small-M GEMMs quantize their input inside).
-LINEAR = ["_act_quant_kernel", "_w8a8_gemm_kernel"]  # (+ "_splitk_sum_kernel" where K is split)
-ATTN_SWA = LINEAR * 3 + ["_write_kernel", "_sparse_mla_kernel"] + LINEAR
-ATTN_FULL = LINEAR * 3 + ["_sparse_mla_kernel"] + LINEAR
-MLP = LINEAR * 3  # gate, up, down
-MOE = ["_act_quant_kernel", "_moe_gemm_kernel", "_act_quant_kernel", "_moe_gemm_kernel"] + MLP  # + shared expert
-SWA_LAYER, FULL_LAYER = ATTN_SWA + MOE, ATTN_FULL + MOE
 STEP_START = ["_swa_indexer_kernel", "_swa_indexer_kernel"]  # the step plans' window indices
 STEP_END = ["_prepare_kernel", "_cuts_kernel", "_compact_kernel", "_draw_kernel"]  # the device sampler
 
 DEV = "cuda"
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V = 7168, 1536, 512, 64, 128, 128
 EXPERTS, TOPK, MOE_INTER, SHARED_INTER, VOCAB, LAYERS = 256, 8, 2048, 2048, 129280, 61
+
+
+# The Triton kernels of one layer's decode step at M rows, in launch order (``_combine_kernel``
+# follows the sparse MLA kernel when it splits the keys, ``_splitk_sum_kernel`` a GEMM that splits K).
+def linear_kernels(M: int) -> list[str]:
+    """A W8A8 linear: small M quantizes its activations inside the GEMM (``tuned_config``)."""
+    return ([] if tuned_config(M, HIDDEN, HIDDEN)["fuse_quant"] else ["_act_quant_kernel"]) + ["_w8a8_gemm_kernel"]
+
+
+def attn_kernels(M: int, swa: bool) -> list[str]:
+    """q_a, q_b, kv_a; the FP8 cache write (SWA layers); sparse MLA; o_proj."""
+    return linear_kernels(M) * 3 + (["_write_kernel"] if swa else []) + ["_sparse_mla_kernel"] + linear_kernels(M)
+
+
+def mlp_kernels(M: int, moe: bool) -> list[str]:
+    """The routed experts (MoE layers), then the dense MLP or shared expert: gate, up, down."""
+    routed = ["_act_quant_kernel", "_moe_gemm_kernel", "_act_quant_kernel", "_moe_gemm_kernel"] if moe else []
+    return routed + linear_kernels(M) * 3
 
 
 def fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +93,11 @@ class Linear8:
         self.part = torch.empty(sk, m, n, device=DEV) if sk > 1 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        launch_act_quant(x, self.a, self.a_s)
-        launch_w8a8_gemm(self.a, self.a_s, self.w, self.ws, self.out, self.cfg, self.part)
+        if self.cfg["fuse_quant"]:
+            launch_w8a8_gemm(x.contiguous(), None, self.w, self.ws, self.out, self.cfg, self.part)
+        else:
+            launch_act_quant(x, self.a, self.a_s)
+            launch_w8a8_gemm(self.a, self.a_s, self.w, self.ws, self.out, self.cfg, self.part)
         return self.out
 
 

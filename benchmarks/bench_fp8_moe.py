@@ -207,9 +207,11 @@ def case(
         row["ours_graph_gbps"] = (N * K + M * K * 2 + M * N * 2) / row["ours_graph_ms"] / 1e6
         if dg is not None:
             row["deepgemm_graph_ms"] = graph_ms(dg, codes_u8)
-        fused = gemm_fn(fp8_gemm_kernel, x, N, ws, {**ours.cfg, "fuse_quant": True})
-        row["fused_rel_err"] = rel(fused(codes_u8), want)
-        row["fused_graph_ms"] = graph_ms(fused, codes_u8)
+        for form, fuse in (("q1", True), ("q2", False)):  # quantized inside the GEMM / by its own launch
+            fn = gemm_fn(fp8_gemm_kernel, x, N, ws, {**ours.cfg, "fuse_quant": fuse})
+            got = fn(codes_u8).clone()
+            row[f"{form}_bitwise_equal_ours"] = bool(torch.equal(got, ours(codes_u8)))
+            row[f"{form}_graph_ms"] = graph_ms(fn, codes_u8)
         if before is not None:
             prev = gemm_fn(before, x, N, ws)
             row["before_config"] = prev.cfg
@@ -491,17 +493,20 @@ def main() -> None:
 
 
 def print_small(rows: list) -> None:
-    """The M <= 64 rows as graph replays: ours, before, bf16, DeepGEMM, in ms and GB/s."""
+    """The M <= 64 rows as graph replays in us: ours (tuned), before, both quantization forms, bf16,
+    DeepGEMM; ours' GB/s; then eager (Python launches, CUDA events) ours and before."""
     nan = float("nan")
-    print("M <= 64 as CUDA-graph replays over cold weights (ms; GB/s of ours; ratios: bf16 / ours)")
-    head = ("shape", "M", "ours", "GB/s", "before", "in-GEMM q", "bf16", "deepgemm", "vs bf16", "vs before", "vs DG")
+    print("M <= 64 as CUDA-graph replays over cold weights (us; GB/s of ours; ratios x / ours)")
+    head = ("shape", "M", "ours", "GB/s", "before", "q inside", "q launch", "bf16", "deepgemm", "vs bf16", "vs before")
+    head += ("vs DG", "eager", "eager bef")
     print(" ".join(f"{h:>14}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
     for r in rows:
         if r["M"] > 64:
             continue
-        keys = ("ours_graph_ms", "before_graph_ms", "fused_graph_ms", "bf16_graph_ms", "deepgemm_graph_ms")
-        o, b, q, f, d = (r.get(k, nan) for k in keys)
-        vals = (o * 1e3, r.get("ours_graph_gbps", nan), b * 1e3, q * 1e3, f * 1e3, d * 1e3, f / o, b / o, d / o)
+        keys = ("ours_graph_ms", "before_graph_ms", "q1_graph_ms", "q2_graph_ms", "bf16_graph_ms", "deepgemm_graph_ms")
+        o, b, q1, q2, f, d = (r.get(k, nan) for k in keys)
+        vals = (o * 1e3, r.get("ours_graph_gbps", nan), b * 1e3, q1 * 1e3, q2 * 1e3, f * 1e3, d * 1e3, f / o, b / o)
+        vals += (d / o, r.get("ours_ms", nan) * 1e3, r.get("before_ms", nan) * 1e3)
         print(f"{r['shape']:>14} {r['M']:9} " + " ".join(f"{v:9.2f}" for v in vals))
 
 

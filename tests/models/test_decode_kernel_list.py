@@ -37,8 +37,7 @@ def test_the_benchmark_launches_what_the_model_launches(tmp_path, monkeypatch):
     cfg = eng.config.model_config
     want = list(bench.STEP_START)
     for i, swa in enumerate(cfg.window_attn_skip_freq[: cfg.num_hidden_layers]):
-        want += bench.ATTN_SWA if swa else bench.ATTN_FULL
-        want += bench.MOE if i >= cfg.first_k_dense_replace else bench.MLP
+        want += bench.attn_kernels(1, bool(swa)) + bench.mlp_kernels(1, i >= cfg.first_k_dense_replace)
     want += bench.STEP_END
     shape_dependent = ("_combine_kernel", "_splitk_sum_kernel")  # split-KV / split-K sums, by shape
     assert [k for k in launched if k not in shape_dependent] == want

@@ -37,14 +37,18 @@ def check_fp8_weight(weight: paddle.Tensor, scale: paddle.Tensor, name: str = "w
 
 
 def w8a8_block_linear(x: paddle.Tensor, weight: paddle.Tensor, scale: paddle.Tensor) -> paddle.Tensor:
-    """The Triton kernels: quantize x, then the block-scaled FP8 GEMM (with its split-K sum)."""
+    """The Triton kernels: quantize x (inside the GEMM at M <= 16), the block-scaled FP8 GEMM, its
+    split-K sum."""
     check_fp8_weight(weight, scale)
     M, K, N = x.shape[0], x.shape[1], weight.shape[0]
     if K != weight.shape[1]:
         raise ValueError(f"w8a8_block_linear: x has {K} columns, the weight {weight.shape[1]}")
     cfg = tuned_config(M, N, K)
-    a, a_s = paddle.empty([M, K], "uint8"), paddle.empty([M, _blocks(K)], "float32")
-    launch_act_quant(x, a, a_s)
+    if cfg["fuse_quant"]:
+        a, a_s = x.contiguous(), None
+    else:
+        a, a_s = paddle.empty([M, K], "uint8"), paddle.empty([M, _blocks(K)], "float32")
+        launch_act_quant(x, a, a_s)
     out = paddle.empty([M, N], x.dtype)
     part = paddle.empty([cfg["split_k"], M, N], "float32") if cfg["split_k"] > 1 else None
     launch_w8a8_gemm(a, a_s, weight, scale, out, cfg, part)

@@ -12,11 +12,10 @@ ws [ceil(N/128), ceil(K/128)] (the real weight is code * scale per 128 x 128 blo
    With SPLIT_K > 1 each program sums its share of the K blocks into a float32 partial
    [SPLIT_K, M, N] (small M: more programs streaming the weight than M x N tiles alone give).
 3. ``_splitk_sum_kernel``: the partials summed in split order and cast to the output dtype.
-
-Activations are quantized once a GEMM, never inside it: a one-launch path that quantized each
-K block of the activation rows in every N tile ran decode-sized GEMMs up to 5x slower on the H200
-(the amax and rounding of a [BLOCK_M, 128] block sit between each weight load and its dot; with
-tens to hundreds of N tiles, the same rows were quantized that many times; benchmarks/README.md).
+4. QUANT_A (M <= 16): the GEMM takes the activations and quantizes each K block of its rows the
+   way ``_act_quant_kernel`` does, in every N tile, saving a launch. On the GPU the e4m3 code
+   comes from the hardware conversion (round to nearest, ties to even, as ``_e4m3_byte``); the
+   software rounding there made this path ALU-bound, up to 5x slower at M = 64 (issue 22).
 """
 
 from __future__ import annotations
@@ -121,18 +120,22 @@ def _splitk_sum_kernel(P, C, S, MN, BLOCK: tl.constexpr):
 
 
 def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
-    """Tile and split-K for a shape, from H200 sweeps. M >= 128 (benchmarks/results/
-    h200_2026-12-03_fp8_gemm_sweep.json): 128 x 128 tiles on 8 warps with 5 stages (dense gate_up,
-    M 4096: 3.78 ms against 4.06 with 3 stages). M <= 64 (h200_2026-12-03_fp8_gemm_small_sweep*.json,
-    CUDA-graph replays over cold weights): the GEMM streams the weight once and needs enough
-    programs in flight to cover HBM latency, so K is split while the tiles fill fewer SMs than
-    wanted. M <= 16 wants about two waves and keeps >= 8 K blocks a split (expert gate_up 4096 x
-    7168: 4 splits 15.4 us, 1 split 28.2). M 17..64: the float32 partials are 4x larger and every
-    N tile re-reads the activations from L2, so only long K splits, to one wave, and then on
-    128-wide tiles (o_proj 7168 x 16384: 54.9 us against 80.0 on 64-wide ones)."""
+    """Tile, split-K and where the activations are quantized, from H200 sweeps. M >= 128
+    (benchmarks/results/h200_2026-12-03_fp8_gemm_sweep.json): 128 x 128 tiles on 8 warps with 5
+    stages (dense gate_up, M 4096: 3.78 ms against 4.06 with 3 stages). M <= 64
+    (h200_2026-12-03_fp8_gemm_small_sweep*.json, CUDA-graph replays over cold weights): the GEMM
+    streams the weight once and needs enough programs in flight to cover HBM latency, so K is
+    split while the tiles fill fewer SMs than wanted. M <= 16 wants about two waves and keeps >= 8
+    K blocks a split (expert gate_up 4096 x 7168: 4 splits 15.4 us, 1 split 28.2), and quantizes
+    its activations inside the GEMM ("fuse_quant"): one launch fewer for the eager engine, 3-16%
+    more GPU time than a separate quantization launch (h200_2026-12-03_fp8_gemm_decode_sizes.json).
+    M 17..64: the float32 partials are 4x larger and every N tile re-reads the activations from
+    L2, so only long K splits, to one wave, on 128-wide tiles (o_proj 7168 x 16384: 54.9 us
+    against 80.0 on 64-wide ones), and the activations are quantized once by their own launch
+    (in every N tile they cost 2-3x)."""
     n_kb = triton.cdiv(K, FP8_BLOCK)
     if M >= 128:
-        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1}
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1, "fuse_quant": False}
     block_m = max(16, triton.next_power_of_2(M))
     tiles64 = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
     long_k = n_kb >= 32
@@ -146,7 +149,8 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
     while tiles * split < waves * num_sms and n_kb // (2 * split) >= min_kb:
         split *= 2
     split = triton.cdiv(n_kb, triton.cdiv(n_kb, split))  # every split gets K blocks
-    return {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 4, "split_k": split}
+    cfg = {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 4, "split_k": split}
+    return {**cfg, "fuse_quant": M <= 16}
 
 
 def launch_act_quant(x, codes, scales) -> None:
@@ -169,7 +173,7 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
     [ceil(N/128), ceil(K/128)] -> out [M, N] (contiguous, bf16 / float32). cfg["split_k"] > 1
     needs part float32 [split_k, M, N] for the partials, summed into out by a second launch.
     a_s None: a holds the activations (bf16 / float32), quantized inside the GEMM in every N tile
-    (an experiment for M <= 16, off in tuned_config; benchmarks/README.md has its timings)."""
+    (tuned_config's "fuse_quant", for M <= 16)."""
     M, K, N = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
     if M == 0 or N == 0:
         return
