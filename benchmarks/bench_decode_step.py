@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fp8_moe import moe_align_torch  # noqa: E402  (fused_moe.moe_align in torch ops)
 
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: E402
+    SPLIT_COUNTERS,
     launch_act_quant,
     launch_w8a8_gemm,
     tuned_config,
@@ -56,7 +57,7 @@ EXPERTS, TOPK, MOE_INTER, SHARED_INTER, VOCAB, LAYERS = 256, 8, 2048, 2048, 1292
 
 
 # The Triton kernels of one layer's decode step at M rows, in launch order (``_combine_kernel``
-# follows the sparse MLA kernel when it splits the keys, ``_splitk_sum_kernel`` a GEMM that splits K).
+# follows the sparse MLA kernel when it splits the keys).
 def linear_kernels(M: int) -> list[str]:
     """A W8A8 linear: small M quantizes its activations inside the GEMM (``tuned_config``)."""
     return ([] if tuned_config(M, HIDDEN, HIDDEN)["fuse_quant"] else ["_act_quant_kernel"]) + ["_w8a8_gemm_kernel"]
@@ -91,13 +92,14 @@ class Linear8:
         self.a_s = torch.empty(m, -(-k // 128), device=DEV)
         sk = self.cfg["split_k"]
         self.part = torch.empty(sk, m, n, device=DEV) if sk > 1 else None
+        self.counters = torch.zeros(SPLIT_COUNTERS, device=DEV, dtype=torch.int32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg["fuse_quant"]:
-            launch_w8a8_gemm(x.contiguous(), None, self.w, self.ws, self.out, self.cfg, self.part)
+            launch_w8a8_gemm(x.contiguous(), None, self.w, self.ws, self.out, self.cfg, self.part, self.counters)
         else:
             launch_act_quant(x, self.a, self.a_s)
-            launch_w8a8_gemm(self.a, self.a_s, self.w, self.ws, self.out, self.cfg, self.part)
+            launch_w8a8_gemm(self.a, self.a_s, self.w, self.ws, self.out, self.cfg, self.part, self.counters)
         return self.out
 
 

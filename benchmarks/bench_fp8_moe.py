@@ -100,8 +100,8 @@ def load_before(path: str):
 def gemm_fn(mod, x: torch.Tensor, N: int, ws: torch.Tensor, cfg: dict | None = None):
     """fn(weight codes) -> out, running module ``mod``'s GEMM as ``fp8_gemm.w8a8_block_linear``
     does, with its own tuned config; buffers allocated once. cfg["fuse_quant"]: the activations
-    go in unquantized (quantized inside the GEMM). Handles the API before the split-K sum kernel
-    (partials summed by torch)."""
+    go in unquantized (quantized inside the GEMM). Handles the API before split K was summed in
+    the GEMM (partials summed by torch)."""
     M, K = x.shape
     cfg = cfg or mod.tuned_config(M, N, K)
     a = torch.empty(M, K, device=DEV, dtype=torch.uint8)
@@ -109,7 +109,8 @@ def gemm_fn(mod, x: torch.Tensor, N: int, ws: torch.Tensor, cfg: dict | None = N
     out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
     sk = cfg["split_k"]
     part = torch.empty(sk, M, N, device=DEV) if sk > 1 else None
-    new_api = hasattr(mod, "_splitk_sum_kernel")
+    new_api = hasattr(mod, "SPLIT_COUNTERS")  # split K summed in the GEMM launch
+    counters = torch.zeros(getattr(mod, "SPLIT_COUNTERS", 1), device=DEV, dtype=torch.int32)
 
     def fn(wi: torch.Tensor) -> torch.Tensor:
         if cfg.get("fuse_quant"):
@@ -118,7 +119,7 @@ def gemm_fn(mod, x: torch.Tensor, N: int, ws: torch.Tensor, cfg: dict | None = N
             mod.launch_act_quant(x, a, a_s)
             a_in, a_s_in = a, a_s
         if new_api:
-            mod.launch_w8a8_gemm(a_in, a_s_in, wi, ws, out, cfg, part)
+            mod.launch_w8a8_gemm(a_in, a_s_in, wi, ws, out, cfg, part, counters)
             return out
         if part is None:
             mod.launch_w8a8_gemm(a_in, a_s_in, wi, ws, out, cfg)
@@ -168,6 +169,16 @@ def case(
     want = quantize_ref(x) @ w_deq.T
     row = {"shape": name, "N": N, "K": K, "M": M, "config": ours.cfg, "rel_err": rel(ours(codes_u8), want)}
     row["correct"] = row["rel_err"] < 1e-2
+    if ours.cfg["split_k"] > 1 and not small_sweep:  # the in-launch split-K sum, 100 times over
+        first = ours(codes_u8).clone()
+        x2 = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+        other = gemm_fn(fp8_gemm_kernel, x2, N, ws, ours.cfg)
+        first2 = other(codes_u8).clone()
+        same = True
+        for _ in range(100):  # interleaved with another GEMM: the counters must reset every launch
+            same &= bool(torch.equal(ours(codes_u8), first)) and bool(torch.equal(other(codes_u8), first2))
+        row["split_repeat_bitwise_identical"] = same
+        row["correct"] &= same and rel(first2, quantize_ref(x2) @ w_deq.T) < 1e-2
     flops = 2 * M * N * K
     if small_sweep:  # graph replays only
         row["ours_graph_ms"] = graph_ms(ours, codes_u8)

@@ -173,22 +173,24 @@ def cases():
                 "B": "*u8",
                 "BS": "*fp32",
                 "C": "*bf16",
-                **{n: "i32" for n in ("M", "N", "K", "sa", "sas", "sb", "sbs", "sc_split", "sc", "kb_per_split")},
+                "P": "*fp32",
+                "Counters": "*i32",
+                **{n: "i32" for n in ("M", "N", "K", "sa", "sas", "sb", "sbs", "sc", "kb_per_split", "n_split")},
                 "BLOCK_M": "constexpr",
                 "BLOCK_N": "constexpr",
                 "DOT_FP8": "constexpr",
                 "QUANT_A": "constexpr",
+                "SPLIT": "constexpr",
             },
-            {"BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "DOT_FP8": True, "QUANT_A": fused},
+            {
+                "BLOCK_M": cfg["block_m"],
+                "BLOCK_N": cfg["block_n"],
+                "DOT_FP8": True,
+                "QUANT_A": fused,
+                "SPLIT": cfg["split_k"] > 1,
+            },
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )
-    yield (
-        "fp8_splitk_sum",
-        gemm._splitk_sum_kernel,
-        {"P": "*fp32", "C": "*bf16", "S": "i32", "MN": "i32", "BLOCK": "constexpr"},
-        {"BLOCK": gemm.SUM_BLOCK},
-        {},
-    )
     tiles = {"EPS": sampler.SAMPLING_EPS, "BLOCK": 2048}
     yield (
         "sampler_prepare",

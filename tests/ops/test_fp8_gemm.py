@@ -72,20 +72,22 @@ def test_matches_float64(impl, M, N, K, rng):
     ],
 )
 def test_tiles_and_split_k(M, cfg, rng):
-    """Every tile shape and split writes each output element once: partials (NaN-poisoned first)
-    summed by the second launch equal the float64 product. N 300 spans three weight-scale rows and
-    ends inside a tile."""
-    x, codes, scale = make(rng, M, 300, 300)
-    a, a_s = quantize_activations_ref(paddle.to_tensor(x))
-    out = paddle.full([M, 300], float("nan"), "float32")
-    part = paddle.full([cfg["split_k"], M, 300], float("nan"), "float32") if cfg["split_k"] > 1 else None
-    launch_w8a8_gemm(
-        a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, {**cfg, "num_warps": 4, "num_stages": 1}, part
-    )
-    want = numpy_ref(x, codes, scale)
-    got = out.numpy()
-    assert np.isfinite(got).all()
-    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+    """Every tile shape and split writes each output element once: the last split of each tile
+    sums the partials (NaN-poisoned first) into the float64 product, and leaves its counter zero;
+    a second launch on other inputs, reusing partials and counters, is right too (no stale state)."""
+    counters = paddle.zeros([64], "int32")
+    for _ in range(2):
+        x, codes, scale = make(rng, M, 300, 300)
+        a, a_s = quantize_activations_ref(paddle.to_tensor(x))
+        out = paddle.full([M, 300], float("nan"), "float32")
+        part = paddle.full([cfg["split_k"], M, 300], float("nan"), "float32") if cfg["split_k"] > 1 else None
+        full = {**cfg, "num_warps": 4, "num_stages": 1}
+        launch_w8a8_gemm(a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, full, part, counters)
+        want = numpy_ref(x, codes, scale)
+        got = out.numpy()
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+        assert (counters.numpy() == 0).all()
 
 
 def test_split_k_needs_its_partials(rng):
@@ -93,10 +95,29 @@ def test_split_k_needs_its_partials(rng):
     a, a_s = quantize_activations_ref(paddle.to_tensor(x))
     cfg = {"block_m": 16, "block_n": 64, "split_k": 3, "num_warps": 4, "num_stages": 1}
     out = paddle.empty([3, 70], "float32")
+    part = paddle.empty([3, 3, 70], "float32")
+    w, s = paddle.to_tensor(codes), paddle.to_tensor(scale)
     with pytest.raises(ValueError, match=r"float32 partials \[3, 3, 70\]"):
-        launch_w8a8_gemm(a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
+        launch_w8a8_gemm(a, a_s, w, s, out, cfg)
+    with pytest.raises(ValueError, match="zeroed int32 counters for 2 tiles"):
+        launch_w8a8_gemm(a, a_s, w, s, out, cfg, part, paddle.zeros([1], "int32"))
     with pytest.raises(ValueError, match="leaves a split empty"):
-        launch_w8a8_gemm(a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, {**cfg, "split_k": 4})
+        launch_w8a8_gemm(a, a_s, w, s, out, {**cfg, "split_k": 4})
+
+
+def test_linear_splits_k_with_shared_counters(rng):
+    """The paddle wrapper at a split shape (M 2, K 4096: 32 K blocks), twice: the shared counters
+    return to zero and both answers match float64."""
+    from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import split_counters
+    from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import tuned_config
+
+    assert tuned_config(2, 256, 4096)["split_k"] > 1
+    for _ in range(2):
+        x, codes, scale = make(rng, 2, 256, 4096)
+        got = w8a8_block_linear(paddle.to_tensor(x), paddle.to_tensor(codes), paddle.to_tensor(scale)).numpy()
+        want = numpy_ref(x, codes, scale)
+        assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+        assert (split_counters(paddle.CPUPlace()).numpy() == 0).all()
 
 
 @pytest.mark.parametrize("M", [1, 16, 17, 64])
@@ -159,7 +180,8 @@ def test_quantization_inside_the_gemm(M, split_k, rng):
     cfg = {"block_m": 16, "block_n": 64, "split_k": split_k, "num_warps": 4, "num_stages": 1}
     out = paddle.full([M, 70], float("nan"), "float32")
     part = paddle.full([split_k, M, 70], float("nan"), "float32") if split_k > 1 else None
-    launch_w8a8_gemm(paddle.to_tensor(x), None, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg, part)
+    w, s = paddle.to_tensor(codes), paddle.to_tensor(scale)
+    launch_w8a8_gemm(paddle.to_tensor(x), None, w, s, out, cfg, part, paddle.zeros([8], "int32"))
     want = numpy_ref(x, codes, scale)
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
 

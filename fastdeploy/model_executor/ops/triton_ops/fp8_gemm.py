@@ -13,6 +13,7 @@ import paddle
 from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, FP8_BLOCK, FP8_MAX, dequant_fp8_blocks
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (
     SCALE_FLOOR,
+    SPLIT_COUNTERS,
     launch_act_quant,
     launch_w8a8_gemm,
     tuned_config,
@@ -36,9 +37,21 @@ def check_fp8_weight(weight: paddle.Tensor, scale: paddle.Tensor, name: str = "w
         )
 
 
+_split_counters: dict[str, paddle.Tensor] = {}
+
+
+def split_counters(place: paddle.CPUPlace | paddle.CUDAPlace) -> paddle.Tensor:
+    """The split-K GEMM's per-tile arrival counters on a device: int32 [SPLIT_COUNTERS], zeroed
+    once; every launch leaves them zero, so the GEMMs of one stream share them."""
+    key = str(place)
+    if key not in _split_counters:
+        _split_counters[key] = paddle.zeros([SPLIT_COUNTERS], "int32").to(place)
+    return _split_counters[key]
+
+
 def w8a8_block_linear(x: paddle.Tensor, weight: paddle.Tensor, scale: paddle.Tensor) -> paddle.Tensor:
-    """The Triton kernels: quantize x (inside the GEMM at M <= 16), the block-scaled FP8 GEMM, its
-    split-K sum."""
+    """The Triton kernels: quantize x (inside the GEMM at M <= 16), then the block-scaled FP8 GEMM
+    (split K summed in the same launch)."""
     check_fp8_weight(weight, scale)
     M, K, N = x.shape[0], x.shape[1], weight.shape[0]
     if K != weight.shape[1]:
@@ -51,7 +64,7 @@ def w8a8_block_linear(x: paddle.Tensor, weight: paddle.Tensor, scale: paddle.Ten
         launch_act_quant(x, a, a_s)
     out = paddle.empty([M, N], x.dtype)
     part = paddle.empty([cfg["split_k"], M, N], "float32") if cfg["split_k"] > 1 else None
-    launch_w8a8_gemm(a, a_s, weight, scale, out, cfg, part)
+    launch_w8a8_gemm(a, a_s, weight, scale, out, cfg, part, split_counters(x.place) if part is not None else None)
     return out
 
 

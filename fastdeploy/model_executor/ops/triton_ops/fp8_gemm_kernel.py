@@ -10,9 +10,9 @@ ws [ceil(N/128), ceil(K/128)] (the real weight is code * scale per 128 x 128 blo
    (a per-column scale vector, which would allow 256-wide tiles, ran M = 64 10-20% slower and the
    wide tiles never won: h200_2026-12-03_fp8_gemm_small_sweep2.json).
    With SPLIT_K > 1 each program sums its share of the K blocks into a float32 partial
-   [SPLIT_K, M, N] (small M: more programs streaming the weight than M x N tiles alone give).
-3. ``_splitk_sum_kernel``: the partials summed in split order and cast to the output dtype.
-4. QUANT_A (M <= 16): the GEMM takes the activations and quantizes each K block of its rows the
+   [SPLIT_K, M, N] (small M: more programs streaming the weight than M x N tiles alone give), and
+   the last program of each tile sums the partials in split order: one launch, deterministic.
+3. QUANT_A (M <= 16): the GEMM takes the activations and quantizes each K block of its rows the
    way ``_act_quant_kernel`` does, in every N tile, saving a launch. On the GPU the e4m3 code
    comes from the hardware conversion (round to nearest, ties to even, as ``_e4m3_byte``); the
    software rounding there made this path ALU-bound, up to 5x slower at M = 64 (issue 22).
@@ -53,6 +53,8 @@ def _w8a8_gemm_kernel(
     B,
     BS,
     C,
+    P,
+    Counters,
     M,
     N,
     K,
@@ -60,13 +62,14 @@ def _w8a8_gemm_kernel(
     sas,
     sb,
     sbs,
-    sc_split,
     sc,
     kb_per_split,
+    n_split,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP8: tl.constexpr,
     QUANT_A: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -104,19 +107,24 @@ def _w8a8_gemm_kernel(
         part = tl.dot(a, tl.trans(b))  # [BLOCK_M, BLOCK_N] float32
         b_s = tl.load(BS + nb * sbs + kb)
         acc += part * (a_s * b_s)[:, None]
-    dst = C + split * sc_split + rows.to(tl.int64)[:, None] * sc + cols[None, :]
-    tl.store(dst, acc.to(C.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
-
-
-@triton.jit
-def _splitk_sum_kernel(P, C, S, MN, BLOCK: tl.constexpr):
-    """C [MN] = sum over s of P [s, MN] (float32, in split order), cast to C's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(S):
-        acc += tl.load(P + s * MN + offs, mask=ok, other=0.0)  # S * M * N < 2**31 at M <= 64
-    tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
+    ok = r_ok[:, None] & c_ok[None, :]
+    dst = C + rows.to(tl.int64)[:, None] * sc + cols[None, :]
+    if SPLIT:
+        # Write this split's float32 partial; the last split of the tile to arrive (a counter per
+        # tile) sums all partials in split order, so the result does not depend on arrival order,
+        # and zeroes the counter for the next launch.
+        tile_p = P + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(tile_p + split * M * N, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial is written before the count (release below)
+        arrived = tl.atomic_add(Counters + pid_m * tl.num_programs(1) + pid_n, 1, sem="acq_rel")
+        if arrived == n_split - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(n_split):  # .cg: from L2, where the other splits' partials landed
+                acc += tl.load(tile_p + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(dst, acc.to(C.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(Counters + pid_m * tl.num_programs(1) + pid_n, 0)
+    else:
+        tl.store(dst, acc.to(C.dtype.element_ty), mask=ok)
 
 
 def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
@@ -165,15 +173,16 @@ def launch_act_quant(x, codes, scales) -> None:
     )
 
 
-SUM_BLOCK = 1024
+SPLIT_COUNTERS = 8192  # the most tiles a split GEMM may have (M <= 64: 36864 / 64 = 576)
 
 
-def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
+def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None, counters=None) -> None:
     """a uint8 [M, K] codes with a_s float32 [M, ceil(K/128)], b uint8 [N, K], b_s float32
-    [ceil(N/128), ceil(K/128)] -> out [M, N] (contiguous, bf16 / float32). cfg["split_k"] > 1
-    needs part float32 [split_k, M, N] for the partials, summed into out by a second launch.
+    [ceil(N/128), ceil(K/128)] -> out [M, N] (contiguous, bf16 / float32).
     a_s None: a holds the activations (bf16 / float32), quantized inside the GEMM in every N tile
-    (tuned_config's "fuse_quant", for M <= 16)."""
+    (tuned_config's "fuse_quant", for M <= 16).
+    cfg["split_k"] > 1 needs part float32 [split_k, M, N] for the partials and counters int32
+    [>= tiles], all zero; every launch leaves them zero, so one buffer serves every GEMM on a stream."""
     M, K, N = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
     if M == 0 or N == 0:
         return
@@ -185,12 +194,14 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
             f"w8a8 gemm: split_k {split} leaves a split empty for {n_kb} K blocks, or block_n "
             f"{cfg['block_n']} does not divide 128"
         )
-    if split > 1 and split * M * N >= 2**31:
-        raise ValueError(f"w8a8 gemm: split_k {split} partials of [{M}, {N}] overflow int32 offsets")
-    if split > 1 and (part is None or list(part.shape) != [split, M, N]):
-        raise ValueError(f"w8a8 gemm: split_k {split} needs float32 partials [{split}, {M}, {N}]")
-    dst = part if split > 1 else out
     grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]), split)
+    if split > 1:
+        if split * M * N >= 2**31:
+            raise ValueError(f"w8a8 gemm: split_k {split} partials of [{M}, {N}] overflow int32 offsets")
+        if part is None or list(part.shape) != [split, M, N]:
+            raise ValueError(f"w8a8 gemm: split_k {split} needs float32 partials [{split}, {M}, {N}]")
+        if counters is None or int(counters.shape[0]) < grid[0] * grid[1]:
+            raise ValueError(f"w8a8 gemm: split_k {split} needs zeroed int32 counters for {grid[0] * grid[1]} tiles")
     launch(
         _w8a8_gemm_kernel,
         grid,
@@ -198,7 +209,9 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
         a if a_s is None else a_s,
         b,
         b_s,
-        dst,
+        out,
+        out if part is None else part,
+        out if counters is None else counters,
         M,
         N,
         K,
@@ -206,15 +219,14 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None) -> None:
         0 if a_s is None else stride(a_s, 0),
         stride(b, 0),
         stride(b_s, 0),
-        M * N,
         N,
         per,
+        split,
         BLOCK_M=cfg["block_m"],
         BLOCK_N=cfg["block_n"],
         DOT_FP8=not interpret_mode(),
         QUANT_A=a_s is None,
+        SPLIT=split > 1,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    if split > 1:
-        launch(_splitk_sum_kernel, (triton.cdiv(M * N, SUM_BLOCK),), part, out, split, M * N, BLOCK=SUM_BLOCK)
