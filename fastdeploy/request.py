@@ -6,6 +6,7 @@ import enum
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,7 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
     prefill_after: Request | None = None  # an earlier sample of the same prompt (prefix sharing)
+    matcher: Any = None  # the structured-output matcher (llguidance), advanced with each output token
 
     def __post_init__(self) -> None:
         sp = self.sampling_params

@@ -17,6 +17,20 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "lark")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text (docs/design.md §4.12): ``kind`` one of
+    STRUCTURED_KINDS, ``spec`` its text (a JSON Schema, a regex, a JSON list of choices, a Lark
+    grammar; "" for json_object), ``param`` the request field it came from (named in errors)."""
+
+    kind: str
+    spec: str = ""
+    param: str = "structured_outputs"
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -34,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +92,8 @@ class SamplingParams:
                 "must be an integer in 0..max_tokens",
             ),
         ]
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured: kind must be one of {STRUCTURED_KINDS}, got {self.structured.kind!r}")
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")

@@ -16,6 +16,7 @@ from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_re
 from fastdeploy.distributed.parallel import init_tensor_parallel
 from fastdeploy.distributed.watchdog import RankWatchdog
 from fastdeploy.engine.args import EngineArgs
+from fastdeploy.input.grammar import GrammarEngine
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
 from fastdeploy.request import Request, RequestOutput
 from fastdeploy.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class LLMEngine:
         self.config = args.create_config()
         mc = self.config.model_config
         self.tokenizer = Tokenizer(mc.model_dir)
+        self.grammar = GrammarEngine(self.tokenizer, mc.vocab_size)
         pc = self.config.parallel_config
         worker_argv = ["--config", encode_config(self.config, args.dtype), "--driver-pid", str(os.getpid())]
         self.tp = init_tensor_parallel(pc.tensor_parallel_size, worker_argv)
@@ -164,7 +166,14 @@ class LLMEngine:
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name}: {bad[0]} is not a token id in 0..{vocab - 1}")
-        return Request(request_id or uuid.uuid4().hex, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        req = Request(request_id or uuid.uuid4().hex, ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        if params.structured is not None:  # compiled here, in the caller's thread (cached by spec)
+            so = params.structured
+            try:
+                req.matcher = self.grammar.matcher(self.grammar.compile(so.kind, so.spec))
+            except ValueError as e:
+                raise ValueError(f"{so.param}: {e}") from None
+        return req
 
     def enqueue(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -210,6 +219,9 @@ class LLMEngine:
             if res is None:
                 continue
             req.output_token_ids.append(res.token_id)
+            if req.matcher is not None and not req.matcher.consume_token(res.token_id):
+                outputs.append(self._fail(req, RuntimeError(f"structured output: {req.matcher.get_error()}")))
+                continue
             if res.top_logprobs is not None:
                 req.output_logprobs.append(res.top_logprobs)
             if req.first_token_time is None:
@@ -257,6 +269,8 @@ class LLMEngine:
         elif not sp.ignore_eos and tok in req.eos_token_ids:
             reason = "stop"
         elif tok in sp.stop_token_ids:
+            reason = "stop"
+        elif req.matcher is not None and req.matcher.is_stopped():  # the constraint is complete
             reason = "stop"
         else:
             for s in sp.stop:

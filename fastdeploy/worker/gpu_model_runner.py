@@ -13,10 +13,12 @@ import os
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import paddle
 
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
 from fastdeploy.distributed.parallel import TPGroup
+from fastdeploy.input.grammar import allowed_tokens
 from fastdeploy.model_executor.forward_meta import ForwardMetaBuilder
 from fastdeploy.model_executor.layers.attention.base_backend import KVSpec
 from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
@@ -26,6 +28,7 @@ from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, 
 from fastdeploy.request import Request
 
 logger = logging.getLogger("fastdeploy")
+MASKED_LOGIT = -1e30
 
 CPU_KV_CACHE_BYTES = 512 * 2**20  # default KV pool on CPU (override: FD_CPU_KV_CACHE_BYTES)
 
@@ -203,11 +206,26 @@ class GPUModelRunner:
             if logits is None:
                 return results
             reqs = [scheduled[i][0] for i in step["samples_at"]]
+            if any(r.matcher is not None for r in reqs):
+                logits = self.constrain(logits, reqs)
             for i, r in zip(step["samples_at"], self.sampler.sample(logits, reqs), strict=True):
                 results[i] = r
             return results
         finally:
             self.step_started = None
+
+    def constrain(self, logits: paddle.Tensor, reqs: list[Request]) -> paddle.Tensor:
+        """logits [B, vocab] with every token a row's structured-output matcher rejects set to
+        MASKED_LOGIT (rows without a matcher unchanged); one [B, vocab] bool upload. Only steps with
+        such a request pay for it. Finite, so the sampler's check for non-finite logits still
+        catches a broken model, and low enough that no penalty, bias or temperature lifts it
+        near a real logit (exp of the difference is 0 in float32)."""
+        vocab = logits.shape[1]
+        keep = np.ones((len(reqs), vocab), bool)
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        keep[rows] = allowed_tokens([reqs[i].matcher for i in rows], vocab)
+        mask = paddle.to_tensor(keep, place=logits.place)
+        return paddle.where(mask, logits, paddle.full_like(logits, MASKED_LOGIT))
 
     def serve_steps(self) -> None:
         """A worker rank: run the driver's steps until it broadcasts None."""

@@ -2,7 +2,9 @@
 
 Strict: no string-to-number or number-to-bool coercion, no NaN / Infinity, and a field this
 server does not know is an error rather than silently dropped. Ranges are OpenAI's; fields vLLM
-adds (top_k, min_p, min_tokens, repetition_penalty, stop_token_ids, ignore_eos) are accepted too.
+adds (top_k, min_p, min_tokens, repetition_penalty, stop_token_ids, ignore_eos, and the
+structured-output fields guided_json / guided_regex / guided_choice / guided_grammar /
+structured_outputs) are accepted too.
 """
 
 from __future__ import annotations
@@ -23,9 +25,28 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(StrictModel):
-    type: str
-    json_schema: dict | None = None
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one of its fields."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(StrictModel):
@@ -48,6 +69,11 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted only to say clearly that they are not supported
     tools: Any = None
     tool_choice: Any = None

@@ -11,6 +11,7 @@ aborts a request whose client went away.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +32,7 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.response import Delta, ResponseFormatter
 from fastdeploy.request import Request as EngineRequest
-from fastdeploy.sampling_params import SamplingParams
+from fastdeploy.sampling_params import SamplingParams, StructuredOutput
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
@@ -80,17 +81,57 @@ class OpenAIServer:
         for f in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
             if getattr(body, f) is not None:
                 raise APIError(400, f"{f}: tool and function calling are not supported by this server", f)
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(
-                400,
-                f"response_format: type {body.response_format.type!r} is not supported (only 'text'; no JSON mode)",
-                "response_format",
-            )
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options: only allowed with stream=true", "stream_options")
+
+    @staticmethod
+    def _structured(body) -> StructuredOutput | None:
+        """The request's one output constraint, from response_format, structured_outputs or
+        guided_* (vLLM's); a 400 naming the fields when more than one is given."""
+        found: list[StructuredOutput] = []
+        rf = body.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutput("json_object", "", "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise APIError(400, "response_format.json_schema: required for type json_schema", "response_format")
+            found.append(StructuredOutput("json", json.dumps(rf.json_schema.schema_), "response_format.json_schema"))
+        so = body.structured_outputs
+        pairs = [
+            ("guided_json", body.guided_json, "json"),
+            ("guided_regex", body.guided_regex, "regex"),
+            ("guided_choice", body.guided_choice, "choice"),
+            ("guided_grammar", body.guided_grammar, "lark"),
+        ]
+        if so is not None:
+            pairs += [
+                ("structured_outputs.json", so.json_, "json"),
+                ("structured_outputs.regex", so.regex, "regex"),
+                ("structured_outputs.choice", so.choice, "choice"),
+                ("structured_outputs.grammar", so.grammar, "lark"),
+                ("structured_outputs.json_object", so.json_object or None, "json_object"),
+            ]
+        for param, value, kind in pairs:
+            if value is None:
+                continue
+            if kind == "json_object":
+                spec = ""
+            elif kind == "choice" or (kind == "json" and not isinstance(value, str)):
+                spec = json.dumps(value)
+            else:
+                spec = value
+            found.append(StructuredOutput(kind, spec, param))
+        if len(found) > 1:
+            names = " and ".join(f.param for f in found)
+            raise APIError(
+                400, f"{found[1].param}: only one output constraint a request ({names} given)", found[1].param
+            )
+        if found and body.min_tokens:
+            raise APIError(400, "min_tokens: cannot be combined with a structured output", "min_tokens")
+        return found[0] if found else None
 
     @staticmethod
     def _logit_bias(body) -> dict[int, float]:
@@ -132,6 +173,7 @@ class OpenAIServer:
                 repetition_penalty=body.repetition_penalty,
                 logit_bias=self._logit_bias(body),
                 min_tokens=body.min_tokens,
+                structured=self._structured(body),
             )
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e))) from None

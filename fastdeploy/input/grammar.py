@@ -1,0 +1,112 @@
+"""Structured outputs (docs/design.md §4.12): constraints compiled by llguidance over the model's
+tokenizer, one matcher per sequence, and the batch's token masks.
+
+llguidance (over xgrammar): it builds its token trie straight from the ``tokenizers`` JSON the
+server already loads (no transformers), computes a mask in tens of microseconds without a
+precompilation pass per schema, supports JSON Schema, regular expressions and Lark grammars
+with one API, and its matchers roll back tokens (speculative decoding needs that).
+
+A constraint is (kind, spec): ``json`` (a JSON Schema as text), ``json_object`` (any JSON object),
+``regex``, ``choice`` (a JSON list of strings), ``lark``. ``GrammarEngine.compile`` turns it into
+a validated grammar, cached by (kind, spec); a bad one raises ValueError with llguidance's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import llguidance
+import numpy as np
+
+from fastdeploy.input.tokenizer import Tokenizer
+
+CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
+
+
+class GrammarEngine:
+    """Compiles constraints for one tokenizer and makes matchers. Thread-safe: requests are made
+    in worker threads, off the server's event loop."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._lltok: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def lltok(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer (built on first use: about a second for 128K tokens)."""
+        with self._lock:
+            if self._lltok is None:
+                eos = self._tokenizer.eos_token_id
+                self._lltok = llguidance.LLTokenizer(
+                    self._tokenizer.tok.to_str(), n_vocab=self.vocab_size, eos_token=eos
+                )
+            return self._lltok
+
+    def compile(self, kind: str, spec: str) -> str:
+        """The validated llguidance grammar of a constraint (cached); ValueError saying why not."""
+        key = (kind, spec)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        grammar = _grammar(kind, spec)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
+        if is_error:
+            raise ValueError(messages[0] if messages else "invalid grammar")
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def matcher(self, grammar: str) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of ``grammar`` (from ``compile``)."""
+        m = llguidance.LLMatcher(self.lltok, grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return m
+
+
+def _grammar(kind: str, spec: str) -> str:
+    if kind == "json":
+        try:
+            schema = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON: {e}") from None
+        if not isinstance(schema, dict) and not isinstance(schema, bool):
+            raise ValueError("a JSON Schema is an object (or true / false)")
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "regex":
+        try:
+            re.compile(spec)
+        except re.error as e:
+            raise ValueError(f"not a regular expression: {e}") from None
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        choices = json.loads(spec)
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise ValueError("choices must be a non-empty list of strings")
+        alts = " | ".join(json.dumps(c) for c in choices)  # Lark string literals are JSON strings
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alts}")
+    if kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec)
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def allowed_tokens(matchers: list[llguidance.LLMatcher], vocab_size: int) -> np.ndarray:
+    """bool [len(matchers), vocab_size]: the tokens each matcher accepts next (a stopped or failed
+    matcher accepts only EOS, as llguidance's mask says)."""
+    words = (vocab_size + 31) // 32
+    bits = np.zeros((len(matchers), words), np.int32)
+    for i, m in enumerate(matchers):
+        m.unsafe_compute_mask_ptr(bits[i].ctypes.data, words * 4)
+    as_bytes = bits.view(np.uint8).reshape(len(matchers), words * 4)  # little-endian words
+    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size].astype(bool)

@@ -1,0 +1,143 @@
+"""Structured outputs, model-free: llguidance's masks over the tiny checkpoint's tokenizer. Random
+walks that draw any allowed token at every step must end in text that the constraint accepts
+(jsonschema for JSON Schemas, re.fullmatch for regexes, membership for choices), and the packed
+mask must equal llguidance's own byte-per-token mask."""
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from fastdeploy.input.grammar import GrammarEngine, allowed_tokens
+from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.model_executor.tiny_checkpoint import resolve_model
+
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": -5, "maximum": 300}}, "required": ["a"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0}},
+                "required": ["name"],
+                "additionalProperties": False,
+            },
+            "ok": {"type": "boolean"},
+        },
+        "required": ["user", "ok"],
+        "additionalProperties": False,
+    },
+    {"type": "object", "properties": {"x": {"type": "string", "maxLength": 3}, "y": {"type": "null"}}},
+    {"type": "string", "pattern": "^[a-c]{2,5}$"},
+    {"type": "object", "properties": {"v": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 3}}},
+    {"anyOf": [{"type": "integer", "minimum": 10, "maximum": 99}, {"type": "boolean"}]},
+    {
+        "type": "object",
+        "properties": {"k": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 5}},
+        "required": ["k"],
+        "additionalProperties": False,
+    },
+    {"type": "object", "properties": {"t": {"const": "fixed"}, "n": {"type": "integer"}}, "required": ["t"]},
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    d = resolve_model("tiny-mla-swa")
+    vocab = json.load(open(f"{d}/config.json"))["vocab_size"]
+    return GrammarEngine(Tokenizer(d), vocab), Tokenizer(d)
+
+
+def walk(eng: GrammarEngine, tok: Tokenizer, kind: str, spec: str, seed: int, limit: int = 400) -> str | None:
+    """Draw uniformly among the allowed tokens until the matcher stops; the text, or None when
+    the walk did not finish within ``limit`` tokens."""
+    rng = np.random.default_rng(seed)
+    m = eng.matcher(eng.compile(kind, spec))
+    out = []
+    for _ in range(limit):
+        allowed = np.flatnonzero(allowed_tokens([m], eng.vocab_size)[0])
+        assert allowed.size, "a live matcher always allows some token"
+        t = int(rng.choice(allowed))
+        assert m.consume_token(t), m.get_error()
+        out.append(t)
+        if m.is_stopped():
+            return tok.decode([t for t in out if t != tok.eos_token_id])
+    return None
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_json_schema_walks_validate(engine, i):
+    eng, tok = engine
+    finished = 0
+    for seed in range(20):
+        text = walk(eng, tok, "json", json.dumps(SCHEMAS[i]), seed)
+        if text is not None:
+            jsonschema.validate(json.loads(text), SCHEMAS[i])
+            finished += 1
+    assert finished >= 10, finished  # most walks end within 400 tokens
+
+
+def test_regex_choice_and_json_object_walks(engine):
+    eng, tok = engine
+    for seed in range(10):
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", walk(eng, tok, "regex", r"[0-9]{3}-[a-z]{2}", seed))
+        assert walk(eng, tok, "choice", json.dumps(["yes", "no", "don't know"]), seed) in ("yes", "no", "don't know")
+        text = walk(eng, tok, "json_object", "", seed, limit=2000)
+        assert text is None or isinstance(json.loads(text), dict)
+
+
+def test_packed_mask_equals_llguidance_byte_mask(engine):
+    """allowed_tokens unpacks llguidance's 32-bit words; its compute_logit_bias (one byte a token,
+    200 allowed) is an independent path to the same set, checked at every step of a walk."""
+    eng, _ = engine
+    rng = np.random.default_rng(0)
+    m = eng.matcher(eng.compile("json", json.dumps(SCHEMAS[3])))
+    for _ in range(30):
+        mask = allowed_tokens([m], eng.vocab_size)[0]
+        ref = np.frombuffer(m.compute_logit_bias(), np.uint8)[: eng.vocab_size] == 200
+        np.testing.assert_array_equal(mask, ref)
+        m.consume_token(int(rng.choice(np.flatnonzero(mask))))
+        if m.is_stopped():
+            break
+
+
+@pytest.mark.parametrize(
+    "kind, spec, msg",
+    [
+        ("json", '{"type": "nope"}', "nope"),
+        ("json", "{not json", "not JSON"),
+        ("json", "[1]", "object"),
+        ("regex", "(", "not a regular expression"),
+        ("choice", "[]", "non-empty"),
+        ("choice", "[1]", "strings"),
+        ("lark", "start: undefined_rule", "undefined_rule"),
+        ("xml", "x", "unknown constraint kind"),
+    ],
+)
+def test_bad_constraints_say_why(engine, kind, spec, msg):
+    eng, _ = engine
+    with pytest.raises(ValueError, match=msg):
+        eng.compile(kind, spec)
+
+
+def test_compiled_grammars_are_cached(engine, monkeypatch):
+    """A spec compiles once; past CACHE_SIZE the least recently used is compiled again."""
+    from fastdeploy.input import grammar
+
+    eng, _ = engine
+    calls = []
+    real = grammar._grammar
+    monkeypatch.setattr(grammar, "_grammar", lambda *a: calls.append(a) or real(*a))
+    a, b = ("json", json.dumps({"type": "integer", "minimum": 3})), ("regex", "b+")
+    first = eng.compile(*a)
+    assert eng.compile(*a) is first and calls == [a]
+    monkeypatch.setattr(grammar, "CACHE_SIZE", 1)
+    eng.compile(*b)  # evicts a
+    eng.compile(*b)
+    eng.compile(*a)
+    assert calls == [a, b, a]
