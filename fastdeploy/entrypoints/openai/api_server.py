@@ -35,6 +35,7 @@ from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.engine.engine import EXIT_GRACE_S, LLMEngine
 from fastdeploy.entrypoints.openai.guard import Guard
 from fastdeploy.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from fastdeploy.entrypoints.openai.reasoning import PARSERS
 from fastdeploy.entrypoints.openai.serving import OpenAIServer
 from fastdeploy.worker.tp_worker import run_worker
 
@@ -49,10 +50,11 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int = 16 * 2**20,
     max_seqs_per_request: int = 256,
+    reasoning_parser: str | None = None,
 ):
     """The FastAPI app behind the Guard (API key, body limit); returns the ASGI app with
     ``.fastapi`` and ``.server`` attributes."""
-    srv = OpenAIServer(engine, served_model_name, max_seqs_per_request)
+    srv = OpenAIServer(engine, served_model_name, max_seqs_per_request, reasoning_parser)
     app = FastAPI(title="fastdeploy-swa")
 
     @app.exception_handler(APIError)
@@ -135,6 +137,9 @@ class ServerArgs:
     max_seqs_per_request: int = setting(256, "most sequences one request may start (prompts x n); more gets 400")
     shutdown_timeout: float = setting(30.0, "seconds in-flight requests may finish after SIGTERM / SIGINT")
     exit_on_engine_error: bool = setting(True, "exit non-zero when the engine thread dies, for a supervisor")
+    reasoning_parser: str | None = setting(
+        None, "split <think> ... </think> into the chat message's reasoning_content", PARSERS
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async_engine = AsyncLLMEngine(engine, on_fatal=on_fatal)
     key = ns.api_key or os.environ.get("FD_API_KEY")
-    app = build_app(async_engine, name, key, ns.max_request_bytes, ns.max_seqs_per_request)
+    app = build_app(async_engine, name, key, ns.max_request_bytes, ns.max_seqs_per_request, ns.reasoning_parser)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower())
     server = holder["server"] = DrainingServer(config, async_engine, ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)

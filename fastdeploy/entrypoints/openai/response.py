@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastdeploy.entrypoints.openai.protocol import APIError, error_body
+from fastdeploy.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.request import RequestOutput
 
@@ -56,10 +57,20 @@ class ResponseFormatter:
     whether choices carry logprobs (``top_n`` alternatives each for chat), ``n`` samples a prompt."""
 
     def __init__(
-        self, tokenizer: Tokenizer, rid: str, model: str, chat: bool, logprobs: bool, top_n: int, n: int
+        self,
+        tokenizer: Tokenizer,
+        rid: str,
+        model: str,
+        chat: bool,
+        logprobs: bool,
+        top_n: int,
+        n: int,
+        reasoning: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat, self.logprobs, self.top_n, self.n = chat, logprobs, top_n, n
+        self.reasoning = reasoning and chat  # chat messages carry reasoning_content
+        self.streams: dict[int, ReasoningStream] = {}
         self.obj = "chat.completion" if chat else "text_completion"
         self.base = {"id": rid, "created": int(time.time()), "model": model}
 
@@ -94,6 +105,14 @@ class ResponseFormatter:
         ch: dict = {"index": index, "finish_reason": d.finish_reason}
         if self.chat:
             msg = {"content": d.text}
+            if self.reasoning and stream:
+                r, c = self.streams.setdefault(index, ReasoningStream()).feed(d.text, d.finish_reason is not None)
+                msg = {"content": c} if c or not r else {}
+                if r:
+                    msg["reasoning_content"] = r
+            elif self.reasoning:
+                r, c = split_reasoning(d.text)
+                msg = {"content": c or None, "reasoning_content": r or None}
             if first:
                 msg["role"] = "assistant"
             ch["delta" if stream else "message"] = msg

@@ -58,8 +58,15 @@ def bad_unicode(value, path: str = "") -> str | None:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, max_seqs_per_request: int = 256) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        max_seqs_per_request: int = 256,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.name = served_model_name
         self.max_seqs = max_seqs_per_request
         self.metrics = EngineMetrics(engine.engine)
@@ -225,6 +232,9 @@ class OpenAIServer:
 
     def _prepare_chat(self, body: ChatCompletionRequest, rid: str) -> list[list[EngineRequest]]:
         self._check_common(body)
+        so = self._structured(body)
+        if so is not None and self.reasoning_parser is not None:  # it would constrain the reasoning too
+            raise APIError(400, f"{so.param}: not supported with --reasoning-parser yet", so.param)
         messages = []
         for i, m in enumerate(body.messages):
             content = m.content or ""
@@ -338,7 +348,8 @@ class OpenAIServer:
 
     def _formatter(self, rid: str, queued, body, chat: bool, top_n: int) -> ResponseFormatter:
         logprobs = queued[0][0].sampling_params.logprobs is not None
-        return ResponseFormatter(self.tokenizer, rid, self.name, chat, logprobs, top_n, body.n)
+        reasoning = self.reasoning_parser is not None
+        return ResponseFormatter(self.tokenizer, rid, self.name, chat, logprobs, top_n, body.n, reasoning)
 
     async def completions(self, http: Request, body: CompletionRequest):
         rid = f"cmpl-{uuid.uuid4().hex}"
