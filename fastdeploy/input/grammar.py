@@ -39,13 +39,19 @@ class GrammarEngine:
 
     @property
     def lltok(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the tokenizer (built on first use: about a second for 128K tokens)."""
+        """llguidance's view of the tokenizer (built on first use: about a second for 128K tokens).
+        A byte-level BPE (DeepSeek-V3's kind) is given as each token's bytes, so added tokens
+        that are not special (the tool-call tags) are matched as the text they decode to, as
+        the model writes them; llguidance's own reading of the tokenizer JSON would treat every
+        added token as special. Other tokenizers go through that reading."""
         with self._lock:
             if self._lltok is None:
-                eos = self._tokenizer.eos_token_id
-                self._lltok = llguidance.LLTokenizer(
-                    self._tokenizer.tok.to_str(), n_vocab=self.vocab_size, eos_token=eos
-                )
+                hf, eos = self._tokenizer.tok, self._tokenizer.eos_token_id
+                if _is_byte_level(hf):
+                    wrapper = llguidance.TokenizerWrapper(_ByteTokens(hf, self.vocab_size, eos))
+                    self._lltok = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=eos)
+                else:
+                    self._lltok = llguidance.LLTokenizer(hf.to_str(), n_vocab=self.vocab_size, eos_token=eos)
             return self._lltok
 
     def compile(self, kind: str, spec: str) -> str:
@@ -71,6 +77,48 @@ class GrammarEngine:
         if m.is_error():
             raise ValueError(m.get_error())
         return m
+
+
+def _is_byte_level(hf) -> bool:
+    return json.loads(hf.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (printable stand-ins for the 256 bytes), inverted."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class _ByteTokens:
+    """What llguidance's TokenizerWrapper reads: every token's bytes (ids the tokenizer does not
+    use: empty), the special ids, and tokenization of bytes."""
+
+    def __init__(self, hf, vocab_size: int, eos: int | None) -> None:
+        dec = _byte_decoder()
+        added = hf.get_added_tokens_decoder()
+        self.tokens: list[bytes] = [b""] * vocab_size
+        self.special_token_ids: list[int] = []
+        for text, i in hf.get_vocab(with_added_tokens=True).items():
+            if i >= vocab_size:
+                continue
+            if i in added:
+                self.tokens[i] = text.encode()
+                if added[i].special:
+                    self.special_token_ids.append(i)
+            else:
+                self.tokens[i] = bytes(dec[c] for c in text)
+        self.eos_token_id, self.bos_token_id = eos, None
+        self._hf = hf
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self._hf.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False).ids
 
 
 def _grammar(kind: str, spec: str) -> str:

@@ -16,18 +16,66 @@ from fastdeploy.model_executor.ops.fp8_numerics import quantize_fp8_blocks
 from fastdeploy.model_executor.safetensors_io import save_file
 
 TINY_PRESET = "tiny-mla-swa"
-PRESET_VERSION = 1
+PRESET_VERSION = 2
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+# DeepSeek-V3's tool-call tokens (added, not special: they stay in decoded text, where the tool
+# parser finds them, as in DeepSeek-V3's own tokenizer)
+TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+TOOL_TOKENS = [
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_SEP,
+    TOOL_OUTPUTS_BEGIN,
+    TOOL_OUTPUTS_END,
+    TOOL_OUTPUT_BEGIN,
+    TOOL_OUTPUT_END,
+]
+# DeepSeek-V3(-0324)'s chat template for messages, assistant tool_calls and tool results; the
+# tools themselves go into the system prompt (the official template leaves that to the caller;
+# this is the "## Tools" block DeepSeek's later templates write).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}"
-    "{% elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] + eos_token }}"
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', "
+    "is_first_sp=true) %}"
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{% if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}"
+    "{% set ns.is_first_sp = false %}"
+    "{% else %}{% set ns.system_prompt = ns.system_prompt + '\n\n' + message['content'] %}{% endif %}"
     "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+    "{% if tools %}{% set ns.system_prompt = ns.system_prompt + ('\n\n' if ns.system_prompt else '') + "
+    "'## Tools\nYou have access to the following tools:\n' %}"
+    "{% for tool in tools %}{% set ns.system_prompt = ns.system_prompt + '\n### ' + tool['function']['name'] + "
+    "'\nDescription: ' + (tool['function'].get('description') or '') + '\n\nParameters: ' + "
+    "(tool['function'].get('parameters', {}) | tojson) + '\n' %}{% endfor %}{% endif %}"
+    "{{ bos_token }}{{ ns.system_prompt }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{% set ns.is_tool = false %}{{ '<｜User｜>' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}"
+    "{% set ns.is_first = false %}{% set ns.is_tool = false %}{% set ns.is_output_first = true %}"
+    "{% for tool in message.get('tool_calls') %}"
+    "{% if not ns.is_first %}{{ '<｜Assistant｜>' + (message['content'] or '') + '<｜tool▁calls▁begin｜>' }}"
+    "{% set ns.is_first = true %}{% else %}{{ '\n' }}{% endif %}"
+    "{{ '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+    "'\n```json\n' + tool['function']['arguments'] + '\n```<｜tool▁call▁end｜>' }}"
+    "{% endfor %}{{ '<｜tool▁calls▁end｜>' + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' + (message['content'] or '') + eos_token }}"
+    "{% set ns.is_tool = false %}"
+    "{% else %}{{ '<｜Assistant｜>' + (message['content'] or '') + eos_token }}{% endif %}"
+    "{% elif message['role'] == 'tool' %}{% set ns.is_tool = true %}"
+    "{% if ns.is_output_first %}{{ '<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + "
+    "'<｜tool▁output▁end｜>' }}{% set ns.is_output_first = false %}"
+    "{% else %}{{ '\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{ '<｜Assistant｜>' }}{% endif %}"
 )
 
 _CORPUS = [
@@ -170,7 +218,7 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], bf16: bool = Tr
 
 def build_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer trained on a fixed corpus; deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -182,6 +230,7 @@ def build_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return tok
 
 

@@ -74,12 +74,12 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # accepted only to say clearly that they are not supported
-    tools: Any = None
+    tools: Any = None  # chat: checked by the server (tool definitions); completions: a 400
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # accepted only to say clearly that they are not supported (OpenAI's deprecated form)
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -90,9 +90,12 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # assistant: earlier calls, OpenAI's shape
+    tool_call_id: str | None = None  # tool: the call this result answers
+    reasoning_content: str | None = None  # an earlier answer's reasoning, as vLLM accepts it
 
 
 class ChatCompletionRequest(SamplingFields):

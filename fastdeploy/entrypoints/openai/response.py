@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastdeploy.entrypoints.openai.protocol import APIError, error_body
 from fastdeploy.entrypoints.openai.reasoning import ReasoningStream, split_reasoning
+from fastdeploy.entrypoints.openai.tool_calls import ToolCallStream, parse_tool_calls
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.request import RequestOutput
 
@@ -66,11 +68,16 @@ class ResponseFormatter:
         top_n: int,
         n: int,
         reasoning: bool = False,
+        tools: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.chat, self.logprobs, self.top_n, self.n = chat, logprobs, top_n, n
         self.reasoning = reasoning and chat  # chat messages carry reasoning_content
+        self.tools = tools and chat  # chat messages carry tool_calls parsed from the content
         self.streams: dict[int, ReasoningStream] = {}
+        self.tool_streams: dict[int, ToolCallStream] = {}
+        self.call_ids: dict[tuple[int, int], str] = {}
+        self.has_calls: set[int] = set()
         self.obj = "chat.completion" if chat else "text_completion"
         self.base = {"id": rid, "created": int(time.time()), "model": model}
 
@@ -104,23 +111,69 @@ class ResponseFormatter:
     def choice(self, index: int, d: Delta, stream: bool, text_offset: int = 0, first: bool = True) -> dict:
         ch: dict = {"index": index, "finish_reason": d.finish_reason}
         if self.chat:
-            msg = {"content": d.text}
-            if self.reasoning and stream:
-                r, c = self.streams.setdefault(index, ReasoningStream()).feed(d.text, d.finish_reason is not None)
-                msg = {"content": c} if c or not r else {}
-                if r:
-                    msg["reasoning_content"] = r
-            elif self.reasoning:
-                r, c = split_reasoning(d.text)
-                msg = {"content": c or None, "reasoning_content": r or None}
+            msg = self._message(index, d, stream)
             if first:
                 msg["role"] = "assistant"
             ch["delta" if stream else "message"] = msg
             ch["logprobs"] = self._chat_logprobs(d) if self.logprobs else None
+            if d.finish_reason == "stop" and index in self.has_calls:
+                ch["finish_reason"] = "tool_calls"
         else:
             ch["text"] = d.text
             ch["logprobs"] = self._completion_logprobs(d, text_offset) if self.logprobs else None
         return ch
+
+    def _call_id(self, index: int, i: int) -> str:
+        return self.call_ids.setdefault((index, i), f"call_{uuid.uuid4().hex[:24]}")
+
+    def _message(self, index: int, d: Delta, stream: bool) -> dict:
+        """A chat message (stream: its delta) from a sample's text: reasoning split off first,
+        then tool calls parsed from the content (both whole, or incrementally when streaming)."""
+        final = d.finish_reason is not None
+        if self.reasoning:
+            if stream:
+                reasoning, content = self.streams.setdefault(index, ReasoningStream()).feed(d.text, final)
+            else:
+                reasoning, content = split_reasoning(d.text)
+        else:
+            reasoning, content = None, d.text
+        msg: dict = {}
+        if self.tools and stream:
+            content, deltas = self.tool_streams.setdefault(index, ToolCallStream()).feed(content, final)
+            if deltas:
+                self.has_calls.add(index)
+                calls = []
+                for i, name, args in deltas:
+                    c: dict = {"index": i, "function": {"arguments": args}}
+                    if name is not None:
+                        c.update(id=self._call_id(index, i), type="function")
+                        c["function"] = {"name": name, "arguments": args}
+                    calls.append(c)
+                msg["tool_calls"] = calls
+        elif self.tools:
+            content, calls = parse_tool_calls(content)
+            if calls:
+                self.has_calls.add(index)
+                msg["tool_calls"] = [
+                    {
+                        "id": self._call_id(index, i),
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for i, c in enumerate(calls)
+                ]
+        if stream:
+            if content or not (reasoning or msg):
+                msg["content"] = content
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+        else:
+            msg["content"] = content if content or not (self.reasoning or self.tools) else None
+            if self.reasoning:
+                msg["reasoning_content"] = reasoning or None
+            if self.tools:
+                msg.setdefault("tool_calls", [])
+        return msg
 
     def _rows(self, finals: list) -> list[list[RequestOutput]]:
         return [finals[i : i + self.n] for i in range(0, len(finals), self.n)]

@@ -31,6 +31,7 @@ from fastdeploy.entrypoints.openai.protocol import (
     param_of,
 )
 from fastdeploy.entrypoints.openai.response import Delta, ResponseFormatter
+from fastdeploy.entrypoints.openai.tools import check_history_call, check_tool_choice, check_tools
 from fastdeploy.request import Request as EngineRequest
 from fastdeploy.sampling_params import SamplingParams, StructuredOutput
 
@@ -85,9 +86,13 @@ class OpenAIServer:
             raise APIError(400, f"{bad_text}: invalid Unicode (a lone surrogate cannot be encoded)", bad_text)
         if body.model is not None and body.model != self.name:
             raise APIError(404, f"The model `{body.model}` does not exist.", "model", code="model_not_found")
-        for f in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+        for f in ("functions", "function_call"):
             if getattr(body, f) is not None:
-                raise APIError(400, f"{f}: tool and function calling are not supported by this server", f)
+                raise APIError(400, f"{f}: deprecated by OpenAI; use tools and tool_choice", f)
+        if not isinstance(body, ChatCompletionRequest):
+            for f in ("tools", "tool_choice", "parallel_tool_calls"):
+                if getattr(body, f) is not None:
+                    raise APIError(400, f"{f}: tool calling is a chat feature (/v1/chat/completions)", f)
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
@@ -251,9 +256,29 @@ class OpenAIServer:
                         raise APIError(400, f"{where}: unknown field {extra[0]!r}", where)
                     parts.append(p["text"])
                 content = "".join(parts)
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+            msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+            if m.tool_calls is not None:
+                if m.role != "assistant":
+                    raise APIError(
+                        400,
+                        f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                        f"messages.{i}.tool_calls",
+                    )
+                msg["tool_calls"] = [
+                    check_history_call(c, f"messages.{i}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)
+                ]
+                msg["content"] = m.content if m.content else None
+            if m.role == "tool":
+                if m.tool_call_id is None:
+                    raise APIError(
+                        400, f"messages.{i}.tool_call_id: required for a tool message", f"messages.{i}.tool_call_id"
+                    )
+                msg["tool_call_id"] = m.tool_call_id
+            messages.append(msg)
+        tools = check_tools(body.tools)
+        check_tool_choice(body.tool_choice, tools)
         try:
-            text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools or None)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", "messages") from None
         if body.top_logprobs is not None and not body.logprobs:
@@ -349,7 +374,8 @@ class OpenAIServer:
     def _formatter(self, rid: str, queued, body, chat: bool, top_n: int) -> ResponseFormatter:
         logprobs = queued[0][0].sampling_params.logprobs is not None
         reasoning = self.reasoning_parser is not None
-        return ResponseFormatter(self.tokenizer, rid, self.name, chat, logprobs, top_n, body.n, reasoning)
+        tools = chat and bool(body.tools) and body.tool_choice != "none"  # parse calls from the text
+        return ResponseFormatter(self.tokenizer, rid, self.name, chat, logprobs, top_n, body.n, reasoning, tools)
 
     async def completions(self, http: Request, body: CompletionRequest):
         rid = f"cmpl-{uuid.uuid4().hex}"
