@@ -269,3 +269,60 @@ def test_openai_client_tools(base):
             args += d.function.arguments or ""
     assert args == call.function.arguments
     wait_idle(base)
+
+
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                "label": {"type": "string", "maxLength": 4},
+            },
+            "required": ["hour"],
+            "additionalProperties": False,
+        },
+    },
+}
+STRICT_WEATHER = {
+    "type": "function",
+    "function": {
+        **WEATHER["function"],
+        "parameters": {
+            **WEATHER["function"]["parameters"],
+            "properties": {"city": {"type": "string", "maxLength": 6}},
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_named_and_required_tool_choice_always_call_with_valid_arguments(base):
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CLOCK, STRICT_WEATHER)}
+    multi_done = 0
+    for seed in range(4):
+        named = {"type": "function", "function": {"name": "set_alarm"}}
+        for choice, parallel, count in ((named, None, {1}), ("required", False, {1}), ("required", None, None)):
+            extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+            r = chat(base, seed=seed, tools=[STRICT_WEATHER, CLOCK], tool_choice=choice, max_tokens=200, **extra)
+            c = r.json()["choices"][0]
+            calls = c["message"]["tool_calls"]
+            if count is None and c["finish_reason"] == "length":
+                continue  # any number of calls: the random model may keep adding them
+            multi_done += count is None
+            assert c["finish_reason"] == "tool_calls" and calls and (count is None or len(calls) in count), c
+            for call in calls:
+                name = call["function"]["name"]
+                assert name == "set_alarm" or choice == "required"
+                jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[name])
+            assert c["message"]["content"] is None
+    assert multi_done >= 2
+    bad = chat(base, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice.function.name"
+    both = chat(base, tool_choice="required", response_format={"type": "json_object"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "response_format"
+    wait_idle(base)

@@ -155,7 +155,15 @@ class OpenAIServer:
             out[int(k)] = v
         return out
 
-    def _params(self, body, max_tokens: int | None, logprobs: int | None, n_prompt: int, k: int) -> SamplingParams:
+    def _params(
+        self,
+        body,
+        max_tokens: int | None,
+        logprobs: int | None,
+        n_prompt: int,
+        k: int,
+        structured: StructuredOutput | None = None,
+    ) -> SamplingParams:
         """The k-th of body.n samples: seeds seed + k, so the n samples differ and reproduce."""
         room = self.max_model_len - n_prompt
         field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
@@ -185,13 +193,13 @@ class OpenAIServer:
                 repetition_penalty=body.repetition_penalty,
                 logit_bias=self._logit_bias(body),
                 min_tokens=body.min_tokens,
-                structured=self._structured(body),
+                structured=structured or self._structured(body),
             )
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e))) from None
 
     def _requests(
-        self, rid: str, prompts: list[tuple[str | list[int], str]], body, max_tokens, logprobs
+        self, rid: str, prompts: list[tuple[str | list[int], str]], body, max_tokens, logprobs, structured=None
     ) -> list[list[EngineRequest]]:
         """body.n requests per (prompt text or token ids, its field name), made and validated by
         the engine (nothing queued yet)."""
@@ -211,7 +219,7 @@ class OpenAIServer:
             row = []
             for k in range(body.n):
                 try:
-                    params = self._params(body, max_tokens, logprobs, len(ids), k)
+                    params = self._params(body, max_tokens, logprobs, len(ids), k, structured)
                     req = self.engine.engine.make_request(list(ids), params, f"{rid}-{i}-{k}", param=param)
                 except ValueError as e:
                     raise APIError(400, str(e), param_of(str(e))) from None
@@ -276,7 +284,16 @@ class OpenAIServer:
                 msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
         tools = check_tools(body.tools)
-        check_tool_choice(body.tool_choice, tools)
+        grammar = check_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
+        forced = None
+        if grammar is not None:
+            if so is not None:
+                raise APIError(400, f"{so.param}: cannot be combined with tool_choice {body.tool_choice!r}", so.param)
+            if self.reasoning_parser is not None:
+                raise APIError(
+                    400, "tool_choice: forced calls are not supported with --reasoning-parser yet", "tool_choice"
+                )
+            forced = StructuredOutput("lark", grammar, "tool_choice")
         try:
             text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools or None)
         except ValueError as e:
@@ -285,7 +302,7 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         top_n = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return self._requests(rid, [(text, "messages")], body, max_tokens, top_n if body.logprobs else None)
+        return self._requests(rid, [(text, "messages")], body, max_tokens, top_n if body.logprobs else None, forced)
 
     def _submit(self, reqs: list[list[EngineRequest]]) -> list[tuple[EngineRequest, asyncio.Queue]]:
         flat, queued = [r for row in reqs for r in row], []

@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
-CALL_BEGIN = "<｜tool▁call▁begin｜>"
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
 CALL_CLOSE = "\n```<｜tool▁call▁end｜>"
 _HEADER = re.compile(r"(?P<type>[^<\n]*)<｜tool▁sep｜>(?P<name>[^\n<]*)\n```json\n")
 

@@ -1,7 +1,8 @@
 """Checks of the tool-calling fields of a chat request (OpenAI's shapes); each failure is a 400
 naming the field. Only function tools exist; ``tool_choice`` "auto" (the default with tools)
-parses calls from the text, "none" leaves the text as content; "required" and a named function
-need the call constrained by a grammar, which is not built yet (a 400 says so)."""
+parses calls from the text, "none" leaves the text as content, "required" and a named function
+constrain the answer to calls in DeepSeek-V3's format by a Lark grammar whose arguments follow
+each function's parameter schema (``tool_call_grammar``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import re
 
 from fastdeploy.entrypoints.openai.protocol import APIError
+from fastdeploy.entrypoints.openai.tool_calls import CALL_BEGIN, CALL_CLOSE, CALLS_BEGIN, CALLS_END, SEP
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -56,18 +58,43 @@ def check_tools(tools) -> list[dict]:
     return out
 
 
-def check_tool_choice(choice, tools: list[dict]) -> None:
-    if choice is None or choice == "auto" or choice == "none":
-        if choice is not None and not tools and choice != "none":
-            raise _bad("tool_choice", '"auto" needs tools')
-        return
-    if choice == "required" or isinstance(choice, dict):
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-            if name not in [t["function"]["name"] for t in tools]:
-                raise _bad("tool_choice", "must name one of the request's tools")
-        raise _bad("tool_choice", '"required" and a named function are not supported yet; use "auto"')
+def check_tool_choice(choice, tools: list[dict], parallel: bool | None = None) -> str | None:
+    """None for "none" / "auto" / absent; for "required" or a named function, the Lark grammar
+    its answer must follow (one call of the named function; one or more calls of any tool for
+    "required", one only when parallel_tool_calls is false)."""
+    if choice is None or choice == "none":
+        return None
+    if not tools:
+        raise _bad("tool_choice", "needs tools")
+    if choice == "auto":
+        return None
+    if choice == "required":
+        return tool_call_grammar(tools, multiple=parallel is not False)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        named = [t for t in tools if t["function"]["name"] == name]
+        if not named:
+            raise _bad("tool_choice.function.name", "must name one of the request's tools")
+        return tool_call_grammar(named, multiple=False)
     raise _bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name"}}')
+
+
+def tool_call_grammar(tools: list[dict], multiple: bool) -> str:
+    """Lark (llguidance's dialect): the calls' tags, a listed function's name, its arguments as
+    compact JSON of its parameter schema (``%json``)."""
+    fns, rules = [], []
+    for i, t in enumerate(tools):
+        f = t["function"]
+        schema = {**f["parameters"], "x-guidance": {"whitespace_flexible": False}}
+        fns.append(f"fn{i}")
+        rules.append(f"fn{i}: {json.dumps(f['name'] + chr(10) + '```json' + chr(10))} args{i} {json.dumps(CALL_CLOSE)}")
+        rules.append(f"args{i}: %json {json.dumps(schema)}")
+    more = f" ({json.dumps(chr(10))} call)*" if multiple else ""
+    head = [
+        f"start: {json.dumps(CALLS_BEGIN)} call{more} {json.dumps(CALLS_END)}",
+        f"call: {json.dumps(CALL_BEGIN + 'function' + SEP)} ({' | '.join(fns)})",
+    ]
+    return "\n".join(head + rules)
 
 
 def check_history_call(call, param: str) -> dict:
