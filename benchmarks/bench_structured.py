@@ -65,6 +65,55 @@ def compile_times() -> dict:
     return {"cold_ms": cold * 1e3, "cached_ms": cached * 1e3, "cached_plus_matcher_ms": matcher * 1e3}
 
 
+class SyntheticVocab:
+    """A stand-in tokenizer of DeepSeek-V3's size for llguidance's TokenizerWrapper: the 256 bytes
+    plus seeded random 2-8 letter / punctuation strings (no real BPE: only the mask's cost is
+    timed, not the text)."""
+
+    def __init__(self, size: int = 129280, seed: int = 0) -> None:
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        alphabet = list(b'abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ0123456789{}[]":,.-_\n')
+        toks = {bytes([b]) for b in range(256)}
+        while len(toks) < size - 1:
+            toks.add(bytes(rng.choice(alphabet, rng.integers(2, 9))))
+        self.tokens = sorted(toks) + [b"<eos>"]
+        self.eos_token_id, self.bos_token_id = size - 1, None
+        self.special_token_ids = [size - 1]
+
+    def __call__(self, data: bytes) -> list[int]:
+        return [self.tokens.index(bytes([b])) for b in data]  # byte by byte: only used for forced text
+
+
+def mask_cost(rows: int = 32, vocab: int = 129280, steps: int = 20) -> dict:
+    """ms a step of computing ``rows`` JSON-schema masks at DeepSeek-V3's vocabulary size, and of
+    the runner's masking op on CPU (bool [rows, vocab] upload + where), walking the matchers."""
+    import llguidance
+    import numpy as np
+    import paddle
+
+    from fastdeploy.input.grammar import allowed_tokens
+
+    lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(SyntheticVocab(vocab)), n_vocab=vocab)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(CONSTRAINTS["json_schema"].spec))
+    matchers = [llguidance.LLMatcher(lltok, grammar, log_level=0) for _ in range(rows)]
+    rng = np.random.default_rng(0)
+    logits = paddle.randn([rows, vocab])
+    t_mask = t_apply = 0.0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        keep = allowed_tokens(matchers, vocab)
+        t1 = time.perf_counter()
+        out = paddle.where(paddle.to_tensor(keep), logits, paddle.full_like(logits, -1e30))
+        float(out[0, 0])
+        t2 = time.perf_counter()
+        t_mask, t_apply = t_mask + t1 - t0, t_apply + t2 - t1
+        for m, k in zip(matchers, keep, strict=True):
+            m.consume_token(int(rng.choice(np.flatnonzero(k))))
+    return {"rows": rows, "vocab": vocab, "mask_ms": t_mask / steps * 1e3, "apply_ms_cpu": t_apply / steps * 1e3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -77,6 +126,11 @@ def main() -> None:
             r = {"constraint": name, **decode_rate(llm, n, so)}
             rows.append(r)
             print(f"{n:3d} requests {name:12s} {r['tokens_per_s']:8.1f} decode tokens/s", flush=True)
+    mc = mask_cost()
+    print(
+        f"{mc['rows']} masks at vocabulary {mc['vocab']}: {mc['mask_ms']:.2f} ms a step; masking op on CPU "
+        f"{mc['apply_ms_cpu']:.2f} ms"
+    )
     comp = compile_times()
     print(
         f"compile: cold {comp['cold_ms']:.1f} ms, cached {comp['cached_ms']:.3f} ms (+ matcher "
@@ -84,7 +138,7 @@ def main() -> None:
     )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"decode": rows, "compile": comp}, f, indent=1)
+            json.dump({"decode": rows, "compile": comp, "mask_at_v3_vocab": mc}, f, indent=1)
 
 
 if __name__ == "__main__":
