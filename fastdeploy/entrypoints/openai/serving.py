@@ -162,7 +162,7 @@ class OpenAIServer:
         logprobs: int | None,
         n_prompt: int,
         k: int,
-        structured: StructuredOutput | None = None,
+        structured: StructuredOutput | None,
     ) -> SamplingParams:
         """The k-th of body.n samples: seeds seed + k, so the n samples differ and reproduce."""
         room = self.max_model_len - n_prompt
@@ -193,16 +193,22 @@ class OpenAIServer:
                 repetition_penalty=body.repetition_penalty,
                 logit_bias=self._logit_bias(body),
                 min_tokens=body.min_tokens,
-                structured=structured or self._structured(body),
+                structured=structured,
             )
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e))) from None
 
     def _requests(
-        self, rid: str, prompts: list[tuple[str | list[int], str]], body, max_tokens, logprobs, structured=None
+        self,
+        rid: str,
+        prompts: list[tuple[str | list[int], str]],
+        body,
+        max_tokens,
+        logprobs,
+        structured: StructuredOutput | None,
     ) -> list[list[EngineRequest]]:
         """body.n requests per (prompt text or token ids, its field name), made and validated by
-        the engine (nothing queued yet)."""
+        the engine (nothing queued yet); every sample gets the request's one output constraint."""
         if len(prompts) * body.n > self.max_seqs:
             raise APIError(
                 400,
@@ -241,7 +247,7 @@ class OpenAIServer:
         if not prompts:
             raise APIError(400, "prompt: must not be empty", "prompt")
         named = [(x, "prompt" if len(prompts) == 1 else f"prompt.{i}") for i, x in enumerate(prompts)]
-        return self._requests(rid, named, body, body.max_tokens, body.logprobs)
+        return self._requests(rid, named, body, body.max_tokens, body.logprobs, self._structured(body))
 
     def _prepare_chat(self, body: ChatCompletionRequest, rid: str) -> list[list[EngineRequest]]:
         self._check_common(body)
@@ -302,7 +308,8 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
         top_n = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return self._requests(rid, [(text, "messages")], body, max_tokens, top_n if body.logprobs else None, forced)
+        logprobs = top_n if body.logprobs else None
+        return self._requests(rid, [(text, "messages")], body, max_tokens, logprobs, forced or so)
 
     def _submit(self, reqs: list[list[EngineRequest]]) -> list[tuple[EngineRequest, asyncio.Queue]]:
         flat, queued = [r for row in reqs for r in row], []
