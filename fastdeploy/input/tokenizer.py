@@ -8,6 +8,24 @@ import os
 import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
+# DeepSeek-V3's tool-call tags, as its tokenizer spells them: added tokens that are not special,
+# so they stay in decoded text (where the tool-call parser finds them)
+TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+TOOL_TOKENS = [
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_SEP,
+    TOOL_OUTPUTS_BEGIN,
+    TOOL_OUTPUTS_END,
+    TOOL_OUTPUT_BEGIN,
+    TOOL_OUTPUT_END,
+]
+
 
 class Tokenizer:
     def __init__(self, model_dir: str) -> None:
@@ -62,6 +80,15 @@ def _token_text(tok) -> str | None:
 
 def _raise(msg: str):
     raise ValueError(msg)
+
+
+def partial_tag_len(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``: what a stream
+    holds back because the next characters may complete the tag."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
 
 
 class IncrementalDetokenizer:

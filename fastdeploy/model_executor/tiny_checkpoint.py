@@ -12,6 +12,7 @@ import tempfile
 
 import numpy as np
 
+from fastdeploy.input.tokenizer import TOOL_TOKENS
 from fastdeploy.model_executor.ops.fp8_numerics import quantize_fp8_blocks
 from fastdeploy.model_executor.safetensors_io import save_file
 
@@ -20,23 +21,6 @@ PRESET_VERSION = 2
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-# DeepSeek-V3's tool-call tokens (added, not special: they stay in decoded text, where the tool
-# parser finds them, as in DeepSeek-V3's own tokenizer)
-TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
-TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
-TOOL_TOKENS = [
-    TOOL_CALLS_BEGIN,
-    TOOL_CALLS_END,
-    TOOL_CALL_BEGIN,
-    TOOL_CALL_END,
-    TOOL_SEP,
-    TOOL_OUTPUTS_BEGIN,
-    TOOL_OUTPUTS_END,
-    TOOL_OUTPUT_BEGIN,
-    TOOL_OUTPUT_END,
-]
 # DeepSeek-V3(-0324)'s chat template for messages, assistant tool_calls and tool results; the
 # tools themselves go into the system prompt (the official template leaves that to the caller;
 # this is the "## Tools" block DeepSeek's later templates write).

@@ -10,15 +10,10 @@ import re
 
 import pytest
 
-from fastdeploy.entrypoints.openai.tool_calls import (
-    CALL_BEGIN,
-    CALL_CLOSE,
-    CALLS_BEGIN,
-    ParsedCall,
-    ToolCallStream,
-    parse_tool_calls,
-)
-from fastdeploy.model_executor.tiny_checkpoint import TOOL_CALLS_END, TOOL_SEP
+from fastdeploy.entrypoints.openai.tool_calls import CALL_CLOSE, ParsedCall, ToolCallStream, parse_tool_calls
+from fastdeploy.input.tokenizer import TOOL_CALL_BEGIN as CALL_BEGIN
+from fastdeploy.input.tokenizer import TOOL_CALLS_BEGIN as CALLS_BEGIN
+from fastdeploy.input.tokenizer import TOOL_CALLS_END, TOOL_SEP
 
 TRICKY = ["{", "}", "```", "\n", "<｜tool▁call▁end｜>"[:5], "```<", "\n```", "é", '\\"', "<｜tool▁sep｜>"[:4]]
 

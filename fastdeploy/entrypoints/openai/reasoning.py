@@ -12,6 +12,8 @@ start, a trailing prefix of ``</think>``), and releases it when the stream ends.
 
 from __future__ import annotations
 
+from fastdeploy.input.tokenizer import partial_tag_len
+
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1",)
 
@@ -23,14 +25,6 @@ def split_reasoning(text: str) -> tuple[str, str]:
     if at < 0:
         return body, ""
     return body[:at], body[at + len(END) :]
-
-
-def _held(reasoning: str) -> int:
-    """Length of the longest suffix of ``reasoning`` that is a proper prefix of END."""
-    for k in range(min(len(END) - 1, len(reasoning)), 0, -1):
-        if END.startswith(reasoning[-k:]):
-            return k
-    return 0
 
 
 class ReasoningStream:
@@ -48,7 +42,7 @@ class ReasoningStream:
             if len(self.text) < len(START) and START.startswith(self.text):
                 reasoning = ""  # may still become the opening tag
             elif END not in self.text[len(START) if self.text.startswith(START) else 0 :]:
-                reasoning = reasoning[: len(reasoning) - _held(reasoning)]
+                reasoning = reasoning[: len(reasoning) - partial_tag_len(reasoning, END)]
         out = reasoning[self.sent_reasoning :], content[self.sent_content :]
         self.sent_reasoning = max(self.sent_reasoning, len(reasoning))
         self.sent_content = max(self.sent_content, len(content))

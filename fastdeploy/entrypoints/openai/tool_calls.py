@@ -19,10 +19,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-CALL_BEGIN, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
-CALL_CLOSE = "\n```<｜tool▁call▁end｜>"
-_HEADER = re.compile(r"(?P<type>[^<\n]*)<｜tool▁sep｜>(?P<name>[^\n<]*)\n```json\n")
+from fastdeploy.input.tokenizer import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_SEP, partial_tag_len
+
+CALL_CLOSE = "\n```" + TOOL_CALL_END
+_HEADER = re.compile(r"(?P<type>[^<\n]*)" + re.escape(TOOL_SEP) + r"(?P<name>[^\n<]*)\n```json\n")
 
 
 @dataclass
@@ -31,22 +31,14 @@ class ParsedCall:
     arguments: str
 
 
-def _hold(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
-
-
 def parse_tool_calls(text: str, final: bool = True) -> tuple[str, list[ParsedCall]]:
     """(content, calls) of generated text; see the module docstring."""
-    b = text.find(CALLS_BEGIN)
+    b = text.find(TOOL_CALLS_BEGIN)
     if b < 0:
-        return (text if final else text[: len(text) - _hold(text, CALLS_BEGIN)]), []
-    rest, pos, calls = text[b + len(CALLS_BEGIN) :], 0, []
-    while (s := rest.find(CALL_BEGIN, pos)) >= 0:
-        m = _HEADER.match(rest, s + len(CALL_BEGIN))
+        return (text if final else text[: len(text) - partial_tag_len(text, TOOL_CALLS_BEGIN)]), []
+    rest, pos, calls = text[b + len(TOOL_CALLS_BEGIN) :], 0, []
+    while (s := rest.find(TOOL_CALL_BEGIN, pos)) >= 0:
+        m = _HEADER.match(rest, s + len(TOOL_CALL_BEGIN))
         if not m:
             break  # the header is not complete (or never will be)
         e = rest.find(CALL_CLOSE, m.end())
@@ -55,7 +47,7 @@ def parse_tool_calls(text: str, final: bool = True) -> tuple[str, list[ParsedCal
             pos = e + len(CALL_CLOSE)
             continue
         args = rest[m.end() :]
-        calls.append(ParsedCall(m["name"], args if final else args[: len(args) - _hold(args, CALL_CLOSE)]))
+        calls.append(ParsedCall(m["name"], args if final else args[: len(args) - partial_tag_len(args, CALL_CLOSE)]))
         break
     return text[:b], calls
 

@@ -10,7 +10,8 @@ import json
 import re
 
 from fastdeploy.entrypoints.openai.protocol import APIError
-from fastdeploy.entrypoints.openai.tool_calls import CALL_BEGIN, CALL_CLOSE, CALLS_BEGIN, CALLS_END, SEP
+from fastdeploy.entrypoints.openai.tool_calls import CALL_CLOSE
+from fastdeploy.input.tokenizer import TOOL_CALL_BEGIN, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_SEP
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -91,8 +92,8 @@ def tool_call_grammar(tools: list[dict], multiple: bool) -> str:
         rules.append(f"args{i}: %json {json.dumps(schema)}")
     more = f" ({json.dumps(chr(10))} call)*" if multiple else ""
     head = [
-        f"start: {json.dumps(CALLS_BEGIN)} call{more} {json.dumps(CALLS_END)}",
-        f"call: {json.dumps(CALL_BEGIN + 'function' + SEP)} ({' | '.join(fns)})",
+        f"start: {json.dumps(TOOL_CALLS_BEGIN)} call{more} {json.dumps(TOOL_CALLS_END)}",
+        f"call: {json.dumps(TOOL_CALL_BEGIN + 'function' + TOOL_SEP)} ({' | '.join(fns)})",
     ]
     return "\n".join(head + rules)
 
