@@ -37,6 +37,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    # with SamplingParams.prompt_logprobs: per prompt token (None for the first), its raw logprob
+    # and the top alternatives' {token: logprob}, and its rank in the vocabulary (1 = most likely)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 @dataclass(eq=False)  # a request is itself: lists of them compare by identity
@@ -63,6 +67,8 @@ class Request:
     error: str | None = None
     prefill_after: Request | None = None  # an earlier sample of the same prompt (prefix sharing)
     matcher: Any = None  # the structured-output matcher (llguidance), advanced with each output token
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by position as the prompt is computed
+    prompt_ranks: list[int | None] | None = None
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
@@ -83,6 +89,9 @@ class Request:
             min_tokens=sp.min_tokens,
             min_tokens_stop_ids=banned,
         )
+        if sp.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.prompt_ranks = [None] * len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -111,4 +120,6 @@ class Request:
             self.is_finished,
             self.num_cached_tokens,
             self.error,
+            self.prompt_logprobs,  # not copied: complete once the prompt is computed, then unchanged
+            self.prompt_ranks,
         )

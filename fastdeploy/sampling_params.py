@@ -40,6 +40,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -66,6 +67,11 @@ class SamplingParams:
             (
                 "logprobs",
                 self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+                "must be an integer in 0..20",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
                 "must be an integer in 0..20",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),

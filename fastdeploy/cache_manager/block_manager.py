@@ -122,9 +122,11 @@ class BlockManager:
 
     def match_prefix(self, req: Request) -> int:
         """Reference the longest cached prefix of a new request (leaving at least one token to
-        compute); returns the number of cached tokens."""
+        compute); returns the number of cached tokens. A request that asks for prompt logprobs
+        reads no cached block (a cached prefix has no logits): it computes its whole prompt, and
+        its blocks are registered for later requests as any other's."""
         tables = self._tables(req)
-        if not self.enable_prefix_caching or any(tables.values()):
+        if not self.enable_prefix_caching or any(tables.values()) or req.prompt_logprobs is not None:
             return 0
         tokens, bs = req.all_token_ids, self.block_size
         self.prefix_queries += len(tokens)

@@ -31,6 +31,7 @@ logger = logging.getLogger("fastdeploy")
 MASKED_LOGIT = -1e30
 
 CPU_KV_CACHE_BYTES = 512 * 2**20  # default KV pool on CPU (override: FD_CPU_KV_CACHE_BYTES)
+PROMPT_LOGPROB_ROWS = 256  # prompt-logprob rows whose float32 [rows, vocab] logits exist at once
 
 
 def on_gpu() -> bool:
@@ -164,6 +165,15 @@ class GPUModelRunner:
             for g, rows in tables.items():
                 rows.append(req.block_tables[g])
         samples_at = [i for i, (req, n) in enumerate(scheduled) if req.num_computed_tokens + n == req.num_tokens]
+        lp_rows, lp_targets, lp_k, row = [], [], 0, 0
+        for req, n in scheduled:  # a token at prompt position p < P - 1 gives prompt token p + 1's logprob
+            if req.prompt_logprobs is not None:
+                start, prompt = req.num_computed_tokens, req.prompt_token_ids
+                span = range(start, min(start + n, len(prompt) - 1))
+                lp_rows += [row + p - start for p in span]
+                lp_targets += [prompt[p + 1] for p in span]
+                lp_k = max(lp_k, req.sampling_params.prompt_logprobs)
+            row += n
         if not any(enc):  # a pure-decode step runs as its bucket: padding rows of one token at
             # position 0 whose every table is the null block; they never sample
             pad = self.fd.scheduler_config.bucket_for(len(scheduled)) - len(scheduled)
@@ -178,19 +188,45 @@ class GPUModelRunner:
             "seq_lens_decoder": dec,
             "block_tables": tables,
             "samples_at": samples_at,
+            "prompt_logprobs": {"rows": lp_rows, "targets": lp_targets, "k": lp_k},
         }
 
-    def run_step(self, step: dict) -> paddle.Tensor | None:
-        """The model on one step's inputs, the same on every rank; logits [n, vocab] of the tokens
-        that sample, on the device (None when none does)."""
+    def run_step(self, step: dict) -> tuple[paddle.Tensor | None, tuple[np.ndarray, ...] | None]:
+        """The model on one step's inputs, the same on every rank: logits [n, vocab] of the tokens
+        that sample, on the device (None when none does), and the step's prompt logprobs
+        (``prompt_logprobs``; None when no request asks)."""
         meta = self.meta_builder.build(
             step["input_ids"], step["seq_lens_encoder"], step["seq_lens_decoder"], step["block_tables"]
         )
         hidden = self.model(meta, self.caches)
+        lp = step.get("prompt_logprobs")
+        prompt = self.prompt_logprobs(hidden, **lp) if lp and lp["rows"] else None
         if not step["samples_at"]:
-            return None
+            return None, prompt
         last_tok = (meta.cu_seqlens_q[1:] - 1)[step["samples_at"]]
-        return self.model.compute_logits(hidden, paddle.to_tensor(last_tok))
+        return self.model.compute_logits(hidden, paddle.to_tensor(last_tok)), prompt
+
+    def prompt_logprobs(
+        self, hidden: paddle.Tensor, rows: list[int], targets: list[int], k: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Raw (unprocessed) log-softmax of the logits at hidden[rows], read at ``targets``: the
+        targets' logprobs float32 [R], their ranks int64 [R] (1 + tokens with a larger logit), and
+        the k most likely tokens' ids int64 [R, k] and logprobs float32 [R, k]. Logits of
+        PROMPT_LOGPROB_ROWS rows at a time (a whole prompt's would be [P, vocab])."""
+        parts = []
+        for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            logits = self.model.compute_logits(hidden, paddle.to_tensor(rows[s : s + PROMPT_LOGPROB_ROWS]))
+            lse = paddle.logsumexp(logits, axis=1, keepdim=True)
+            tgt = paddle.to_tensor(targets[s : s + PROMPT_LOGPROB_ROWS], dtype="int64").unsqueeze(1)
+            at = paddle.take_along_axis(logits, tgt, axis=1)
+            rank = (logits > at).astype("int64").sum(1) + 1
+            if k:
+                top, ids = paddle.topk(logits, k, axis=1)
+                top, ids = (top - lse).numpy(), ids.numpy()
+            else:
+                top, ids = np.zeros((len(at), 0), np.float32), np.zeros((len(at), 0), np.int64)
+            parts.append(((at - lse).squeeze(1).numpy(), rank.numpy(), ids, top))
+        return tuple(np.concatenate(x) for x in zip(*parts, strict=True))
 
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[SampleResult | Exception | None]:
         """Run one step (the driver; other ranks get its inputs by broadcast); a sample for each
@@ -201,7 +237,9 @@ class GPUModelRunner:
         self.step_started = time.monotonic()  # the watchdog times the input broadcast too
         try:
             step = self.tp.broadcast_object(self.step_inputs(scheduled))
-            logits = self.run_step(step)
+            logits, prompt = self.run_step(step)
+            if prompt is not None:
+                self.record_prompt_logprobs(scheduled, prompt)
             results: list[SampleResult | Exception | None] = [None] * len(scheduled)
             if logits is None:
                 return results
@@ -213,6 +251,23 @@ class GPUModelRunner:
             return results
         finally:
             self.step_started = None
+
+    @staticmethod
+    def record_prompt_logprobs(scheduled: list[tuple[Request, int]], prompt: tuple[np.ndarray, ...]) -> None:
+        """Write the step's prompt logprobs into their requests by position, in the order
+        ``step_inputs`` listed them; by position, so a step retried or recomputed after
+        preemption writes the same entries again."""
+        lp, rank, ids, top = prompt
+        r = 0
+        for req, n in scheduled:
+            if req.prompt_logprobs is None:
+                continue
+            start, k = req.num_computed_tokens, req.sampling_params.prompt_logprobs
+            for p in range(start + 1, min(start + n, req.num_prompt_tokens - 1) + 1):
+                entry = {int(t): float(v) for t, v in zip(ids[r, :k], top[r, :k], strict=True)}
+                entry[req.prompt_token_ids[p]] = float(lp[r])
+                req.prompt_logprobs[p], req.prompt_ranks[p] = entry, int(rank[r])
+                r += 1
 
     def constrain(self, logits: paddle.Tensor, reqs: list[Request]) -> paddle.Tensor:
         """logits [B, vocab] with every token a row's structured-output matcher rejects set to
@@ -230,7 +285,7 @@ class GPUModelRunner:
     def serve_steps(self) -> None:
         """A worker rank: run the driver's steps until it broadcasts None."""
         while (step := self.tp.broadcast_object()) is not None:
-            self.run_step(step)
+            self.run_step(step)  # rank 0 keeps the results
 
     def stop_workers(self) -> None:
         """The driver: tell the other ranks to return from ``serve_steps``."""

@@ -159,7 +159,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
         ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x " * 600}, 400, "prompt"),
         ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "max_tokens": 600}, 400, "max_tokens"),
         ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "n": 0}, 400, "n"),
-        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "echo": "yes"}, 400, "echo"),
         ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
         ("/v1/completions", {"model": "tiny-mla-swa", "prompt": "x", "bogus": 1}, 400, "bogus"),
         ("/v1/completions", {"model": "tiny-mla-swa", "prompt": [[1, 2], []]}, 400, "prompt.1"),

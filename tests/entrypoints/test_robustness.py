@@ -47,7 +47,8 @@ def greedy_text(base: str) -> list[int]:
 
 BAD = {  # field -> values that must be a 400 naming that field (completions)
     "prompt": [5, None, True, [1.5], [["a"]], {}, [-1], [10**9], [], [[]], [1, "a"]],
-    "max_tokens": ["16", True, 0, -1, 1.5, 10**6, [16]],
+    "max_tokens": ["16", True, 0, -1, 1.5, 10**6, [16]],  # 0: only with echo
+    "prompt_logprobs": [-1, 21, "1", True, 1.5],
     "temperature": ["1", True, -0.1, 2.5, None, [1], {"x": 1}],
     "top_p": [0, -1, 1.01, "0.5", True, None],
     "top_k": [-2, 0, 1.5, "5", True],
@@ -61,7 +62,7 @@ BAD = {  # field -> values that must be a 400 naming that field (completions)
     "logit_bias": [{"abc": 1}, {"99999": 1}, {"5": 101}, {"5": "1"}, [1], {"5": -100.5}],
     "min_tokens": [-1, "1", 1.5, 100],
     "logprobs": [-1, 21, "1", True, 2.5],
-    "echo": ["yes", True, 1],
+    "echo": ["yes", 1, None],
     "stream": ["true", 1],
     "stream_options": [{"include_usage": "yes"}, {"bogus": 1}, {"include_usage": True}, "x"],
     "ignore_eos": ["no", 0],

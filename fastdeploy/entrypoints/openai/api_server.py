@@ -2,15 +2,16 @@
 
     python -m fastdeploy.entrypoints.openai.api_server --model DIR|tiny-mla-swa [--port 8000] ...
 
-/v1/completions and /v1/chat/completions (streamed as server-sent events ending in
-``data: [DONE]``; ``n`` samples and batched prompts as choices), /v1/models, /health, /metrics
-(Prometheus). Request handling is ``serving.py``, response formatting ``response.py``, schemas
-``protocol.py``. The engine steps in its own thread; validation and tokenization run off the
-event loop; a client that disconnects, streaming or not, has its requests aborted and blocks
-freed. A request the engine fails gets its error and the engine keeps serving; if the engine
-thread dies, /health says 503, every request gets a 503, and the process exits non-zero
-(--exit-on-engine-error). SIGTERM / SIGINT drain in-flight requests for --shutdown-timeout
-seconds, abort the rest with an error, and exit 0; a second signal exits at once.
+/v1/completions and /v1/chat/completions (streamed as server-sent events ending in ``data:
+[DONE]``; ``n`` samples and batched prompts as choices), /v1/models, /health, /metrics
+(Prometheus), and vLLM's /tokenize, /detokenize and /tokenizer_info. Request handling is
+``serving.py``, response formatting ``response.py``, schemas ``protocol.py``. The engine steps in
+its own thread; validation and tokenization run off the event loop; a client that disconnects,
+streaming or not, has its requests aborted and blocks freed. A request the engine fails gets its
+error and the engine keeps serving; if the engine thread dies, /health says 503, every request
+gets a 503, and the process exits non-zero (--exit-on-engine-error). SIGTERM / SIGINT drain
+in-flight requests for --shutdown-timeout seconds, abort the rest with an error, and exit 0; a
+second signal ends open streams with an error event and exits 128 + the signal.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fastdeploy.distributed.parallel import LAUNCH_ENV
@@ -34,7 +36,14 @@ from fastdeploy.engine.args import EngineArgs, add_dataclass_args, setting
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.engine.engine import EXIT_GRACE_S, LLMEngine
 from fastdeploy.entrypoints.openai.guard import Guard
-from fastdeploy.entrypoints.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from fastdeploy.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 from fastdeploy.entrypoints.openai.reasoning import PARSERS
 from fastdeploy.entrypoints.openai.serving import OpenAIServer
 from fastdeploy.worker.tp_worker import run_worker
@@ -96,6 +105,18 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(http: Request, body: ChatCompletionRequest):
         return await srv.chat(http, body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await run_in_threadpool(srv.tokenize, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await run_in_threadpool(srv.detokenize, body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return srv.tokenizer_info()
 
     @app.get("/v1/models")
     async def models():

@@ -2,7 +2,7 @@
 
 Strict: no string-to-number or number-to-bool coercion, no NaN / Infinity, and a field this
 server does not know is an error rather than silently dropped. Ranges are OpenAI's; fields vLLM
-adds (top_k, min_p, min_tokens, repetition_penalty, stop_token_ids, ignore_eos, and the
+adds (top_k, min_p, min_tokens, repetition_penalty, stop_token_ids, ignore_eos, prompt_logprobs, and the
 structured-output fields guided_json / guided_regex / guided_choice / guided_grammar /
 structured_outputs) are accepted too.
 """
@@ -67,6 +67,7 @@ class SamplingFields(StrictModel):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's logprob
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -84,7 +85,7 @@ class SamplingFields(StrictModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 only with echo: the prompt and its logprobs alone
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
@@ -105,6 +106,22 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's /tokenize body: ``prompt`` or chat ``messages`` (exactly one)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error", code=None) -> dict:

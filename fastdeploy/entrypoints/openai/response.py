@@ -27,7 +27,7 @@ class Delta:
 
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]]
+    logprobs: list[dict[int, float] | None]  # None: an echoed prompt's first token
     finish_reason: str | None
     out: RequestOutput
 
@@ -69,8 +69,10 @@ class ResponseFormatter:
         n: int,
         reasoning: bool = False,
         tools: bool = False,
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.prompt_logprobs = prompt_logprobs is not None  # vLLM's field: completions per choice, chat once
         self.chat, self.logprobs, self.top_n, self.n = chat, logprobs, top_n, n
         self.reasoning = reasoning and chat  # chat messages carry reasoning_content
         self.tools = tools and chat  # chat messages carry tool_calls parsed from the content
@@ -92,8 +94,10 @@ class ResponseFormatter:
             o += len(s)
         return {
             "tokens": toks,
-            "token_logprobs": [lp[t] for t, lp in zip(d.token_ids, d.logprobs, strict=True)],
-            "top_logprobs": [{self._token_str(k): v for k, v in lp.items()} for lp in d.logprobs],
+            "token_logprobs": [None if lp is None else lp[t] for t, lp in zip(d.token_ids, d.logprobs, strict=True)],
+            "top_logprobs": [
+                None if lp is None else {self._token_str(k): v for k, v in lp.items()} for lp in d.logprobs
+            ],
             "text_offset": offsets,
         }
 
@@ -108,6 +112,24 @@ class ResponseFormatter:
             content.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in top]})
         return {"content": content}
 
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}} for the token and its top alternatives (ranked by position)."""
+        res: list[dict | None] = [None]
+        for p in range(1, len(out.prompt_token_ids)):
+            tok, entry = out.prompt_token_ids[p], out.prompt_logprobs[p]
+            res.append(
+                {
+                    str(t): {
+                        "logprob": v,
+                        "rank": out.prompt_ranks[p] if t == tok else i + 1,
+                        "decoded_token": self._token_str(t),
+                    }
+                    for i, (t, v) in enumerate(entry.items())
+                }
+            )
+        return res
+
     def choice(self, index: int, d: Delta, stream: bool, text_offset: int = 0, first: bool = True) -> dict:
         ch: dict = {"index": index, "finish_reason": d.finish_reason}
         if self.chat:
@@ -121,6 +143,8 @@ class ResponseFormatter:
         else:
             ch["text"] = d.text
             ch["logprobs"] = self._completion_logprobs(d, text_offset) if self.logprobs else None
+            if self.prompt_logprobs:  # never streamed (a 400)
+                ch["prompt_logprobs"] = self._prompt_logprobs(d.out)
         return ch
 
     def _call_id(self, index: int, i: int) -> str:
@@ -181,7 +205,10 @@ class ResponseFormatter:
     def body(self, fulls: list[Delta]) -> dict:
         """The non-streamed response over every sample's whole Delta (prompt-major order)."""
         choices = [self.choice(i, d, False) for i, d in enumerate(fulls)]
-        return {**self.base, "object": self.obj, "choices": choices, "usage": usage(self._rows([d.out for d in fulls]))}
+        body = {**self.base, "object": self.obj, "choices": choices, "usage": usage(self._rows([d.out for d in fulls]))}
+        if self.chat and self.prompt_logprobs:  # one prompt, its samples share it
+            body["prompt_logprobs"] = self._prompt_logprobs(fulls[0].out)
+        return body
 
     async def sse(
         self, events: AsyncIterator[tuple[int, Delta | BaseException | None]], samples: int, include_usage: bool

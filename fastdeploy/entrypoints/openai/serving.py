@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,12 +28,15 @@ from fastdeploy.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_body,
     param_of,
 )
 from fastdeploy.entrypoints.openai.response import Delta, ResponseFormatter
 from fastdeploy.entrypoints.openai.tools import check_history_call, check_tool_choice, check_tools
 from fastdeploy.request import Request as EngineRequest
+from fastdeploy.request import RequestOutput
 from fastdeploy.sampling_params import SamplingParams, StructuredOutput
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
@@ -93,6 +97,8 @@ class OpenAIServer:
             for f in ("tools", "tool_choice", "parallel_tool_calls"):
                 if getattr(body, f) is not None:
                     raise APIError(400, f"{f}: tool calling is a chat feature (/v1/chat/completions)", f)
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs: not available with stream=true", "prompt_logprobs")
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > MAX_STOP:
             raise APIError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
@@ -176,9 +182,13 @@ class OpenAIServer:
             )
             raise APIError(400, msg, field)
         seed = None if body.seed is None else (body.seed + k) % 2**64
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and getattr(body, "echo", False) and logprobs is not None:
+            prompt_logprobs = logprobs  # the echoed prompt carries logprobs like the generated tokens
         try:
             return SamplingParams(
-                max_tokens=max_tokens,
+                max_tokens=max(max_tokens, 1),  # 0 (echo only): one token is generated and dropped
+                prompt_logprobs=prompt_logprobs,
                 temperature=body.temperature,
                 top_p=body.top_p,
                 top_k=body.top_k,
@@ -229,16 +239,18 @@ class OpenAIServer:
                     req = self.engine.engine.make_request(list(ids), params, f"{rid}-{i}-{k}", param=param)
                 except ValueError as e:
                     raise APIError(400, str(e), param_of(str(e))) from None
-                if row and self.prefix_caching:  # share the prompt's blocks through the prefix cache
-                    req.prefill_after = row[0]
+                if isinstance(prompt, str) and param != "messages":
+                    req.prompt = prompt  # echo returns it as given
+                if row and self.prefix_caching and req.prompt_logprobs is None:
+                    req.prefill_after = row[0]  # share the prompt's blocks through the prefix cache
                 row.append(req)
             out.append(row)
         return out
 
     def _prepare_completion(self, body: CompletionRequest, rid: str) -> list[list[EngineRequest]]:
         self._check_common(body)
-        if body.echo:
-            raise APIError(400, "echo: not supported by this server", "echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens: 0 needs echo=true (it returns the prompt alone)", "max_tokens")
         p = body.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             prompts = [p]
@@ -249,13 +261,12 @@ class OpenAIServer:
         named = [(x, "prompt" if len(prompts) == 1 else f"prompt.{i}") for i, x in enumerate(prompts)]
         return self._requests(rid, named, body, body.max_tokens, body.logprobs, self._structured(body))
 
-    def _prepare_chat(self, body: ChatCompletionRequest, rid: str) -> list[list[EngineRequest]]:
-        self._check_common(body)
-        so = self._structured(body)
-        if so is not None and self.reasoning_parser is not None:  # it would constrain the reasoning too
-            raise APIError(400, f"{so.param}: not supported with --reasoning-parser yet", so.param)
+    @staticmethod
+    def _messages(chat: list) -> list[dict]:
+        """OpenAI chat messages as the chat template takes them (text parts joined, tool calls
+        checked); a 400 naming the message and field for what is not supported."""
         messages = []
-        for i, m in enumerate(body.messages):
+        for i, m in enumerate(chat):
             content = m.content or ""
             if isinstance(content, list):
                 parts = []
@@ -289,6 +300,14 @@ class OpenAIServer:
                     )
                 msg["tool_call_id"] = m.tool_call_id
             messages.append(msg)
+        return messages
+
+    def _prepare_chat(self, body: ChatCompletionRequest, rid: str) -> list[list[EngineRequest]]:
+        self._check_common(body)
+        so = self._structured(body)
+        if so is not None and self.reasoning_parser is not None:  # it would constrain the reasoning too
+            raise APIError(400, f"{so.param}: not supported with --reasoning-parser yet", so.param)
+        messages = self._messages(body.messages)
         tools = check_tools(body.tools)
         grammar = check_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
         forced = None
@@ -322,19 +341,36 @@ class OpenAIServer:
             raise APIError(503, str(e), None, "service_unavailable") from None
         return queued
 
-    async def _deltas(self, req: EngineRequest, q: asyncio.Queue) -> AsyncIterator[Delta]:
-        """Text and token increments; holds back text that may still turn into a stop string."""
+    def _echo(self, out: RequestOutput, logprobs: bool) -> Delta:
+        """The prompt as a completion's first delta: its text (as given, or its ids decoded), its
+        ids, and with logprobs its prompt logprobs (None for the first token)."""
+        text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids, False)
+        lps = list(out.prompt_logprobs) if logprobs else []
+        return Delta(text, list(out.prompt_token_ids), lps, None, out)
+
+    async def _deltas(self, req: EngineRequest, q: asyncio.Queue, echo: str | None = None) -> AsyncIterator[Delta]:
+        """Text and token increments; holds back text that may still turn into a stop string.
+        ``echo`` "prompt": the first delta starts with the prompt; "only" (max_tokens 0): the
+        prompt alone, finish_reason "length", the generated token dropped from text and usage."""
         hold = max((len(s) for s in req.sampling_params.stop), default=1) - 1
+        logprobs = req.sampling_params.logprobs is not None
         sent_text, sent_tok = 0, 0
         try:
             async for out in self.engine.stream(req.request_id, q):
                 if out.error is not None:
                     raise APIError(500, f"the engine failed this request: {out.error}", None, "internal_server_error")
                 c = out.outputs[0]
+                if echo == "only":
+                    if out.finished:
+                        kept = replace(c, text="", token_ids=[], logprobs=[] if logprobs else None)
+                        d = self._echo(replace(out, outputs=[kept]), logprobs)
+                        yield replace(d, finish_reason="length")
+                    continue
                 end = len(c.text) if out.finished else max(sent_text, len(c.text) - hold)
                 lp = c.logprobs[sent_tok:] if c.logprobs is not None else []
                 reason = c.finish_reason if out.finished else None
-                yield Delta(c.text[sent_text:end], c.token_ids[sent_tok:], lp, reason, out)
+                d = Delta(c.text[sent_text:end], c.token_ids[sent_tok:], lp, reason, out)
+                yield self._echo(out, logprobs) + d if echo and sent_tok == 0 else d
                 sent_text, sent_tok = end, len(c.token_ids)
         except (EngineDeadError, ServerDrainingError) as e:
             raise APIError(503, str(e), None, "service_unavailable") from None
@@ -344,13 +380,14 @@ class OpenAIServer:
     # ------------------------------------------------------------ engine -> response
 
     async def respond(self, http: Request, queued, body, fmt: ResponseFormatter):
+        echo = ("only" if body.max_tokens == 0 else "prompt") if getattr(body, "echo", False) else None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             merged: asyncio.Queue = asyncio.Queue()
 
             async def pump(index: int, req: EngineRequest, q: asyncio.Queue) -> None:
                 try:
-                    async for d in self._deltas(req, q):
+                    async for d in self._deltas(req, q, echo):
                         await merged.put((index, d))
                 except BaseException as e:  # noqa: BLE001 - handed to the SSE writer
                     await merged.put((index, e))
@@ -373,7 +410,7 @@ class OpenAIServer:
 
         async def collect(req: EngineRequest, q: asyncio.Queue) -> Delta:
             full = None
-            async for d in self._deltas(req, q):
+            async for d in self._deltas(req, q, echo):
                 full = d if full is None else full + d
             return full
 
@@ -393,13 +430,63 @@ class OpenAIServer:
             raise
         return JSONResponse(fmt.body(fulls))
 
+    # ------------------------------------------------------------ tokenizer (vLLM's endpoints)
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+        bad = bad_unicode(body.model_dump())
+        if bad:
+            raise APIError(400, f"{bad}: invalid Unicode (a lone surrogate cannot be encoded)", bad)
+        if body.model is not None and body.model != self.name:
+            raise APIError(404, f"The model `{body.model}` does not exist.", "model", code="model_not_found")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(self._messages(body.messages), body.add_generation_prompt)
+            except ValueError as e:
+                raise APIError(400, f"messages: {e}", "messages") from None
+            special = bool(body.add_special_tokens)  # the template spells its own by default
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = self.tokenizer.encode(text, add_special_tokens=special)
+        strs = [self.tokenizer.decode([t], False) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: token ids to text (special tokens kept)."""
+        if body.model is not None and body.model != self.name:
+            raise APIError(404, f"The model `{body.model}` does not exist.", "model", code="model_not_found")
+        vocab = self.tokenizer.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab:
+                raise APIError(400, f"tokens.{i}: {t} is not a token id in 0..{vocab - 1}", f"tokens.{i}")
+        return {"prompt": self.tokenizer.decode(body.tokens, False)}
+
+    def tokenizer_info(self) -> dict:
+        """vLLM's /tokenizer_info: what a client needs to tokenize as the server does
+        (lm-evaluation-harness's remote tokenizer reads it)."""
+        tok = self.tokenizer
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": tok.config.get("pad_token") if isinstance(tok.config.get("pad_token"), str) else None,
+            "add_bos_token": tok.add_bos,
+            "chat_template": tok.config.get("chat_template"),
+            "model_max_length": self.max_model_len,
+            "vocab_size": tok.vocab_size,
+        }
+
     # ------------------------------------------------------------ endpoints
 
     def _formatter(self, rid: str, queued, body, chat: bool, top_n: int) -> ResponseFormatter:
         logprobs = queued[0][0].sampling_params.logprobs is not None
         reasoning = self.reasoning_parser is not None
         tools = chat and bool(body.tools) and body.tool_choice != "none"  # parse calls from the text
-        return ResponseFormatter(self.tokenizer, rid, self.name, chat, logprobs, top_n, body.n, reasoning, tools)
+        return ResponseFormatter(
+            self.tokenizer, rid, self.name, chat, logprobs, top_n, body.n, reasoning, tools, body.prompt_logprobs
+        )
 
     async def completions(self, http: Request, body: CompletionRequest):
         rid = f"cmpl-{uuid.uuid4().hex}"
