@@ -67,6 +67,7 @@ class Request:
     error: str | None = None
     prefill_after: Request | None = None  # an earlier sample of the same prompt (prefix sharing)
     matcher: Any = None  # the structured-output matcher (llguidance), advanced with each output token
+    grammar_after: int | None = None  # the matcher waits until this token is generated (e.g. </think>)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by position as the prompt is computed
     prompt_ranks: list[int | None] | None = None
 
@@ -104,6 +105,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the structured-output matcher masks this request's next token."""
+        return self.matcher is not None and self.grammar_after is None
 
     @property
     def is_finished(self) -> bool:

@@ -24,11 +24,14 @@ STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "lark")
 class StructuredOutput:
     """A constraint on the generated text (docs/design.md §4.12): ``kind`` one of
     STRUCTURED_KINDS, ``spec`` its text (a JSON Schema, a regex, a JSON list of choices, a Lark
-    grammar; "" for json_object), ``param`` the request field it came from (named in errors)."""
+    grammar; "" for json_object), ``param`` the request field it came from (named in errors).
+    ``after``: the constraint starts after this text is generated (one token of the vocabulary,
+    e.g. "</think>"); before it the output is free."""
 
     kind: str
     spec: str = ""
     param: str = "structured_outputs"
+    after: str | None = None
 
 
 @dataclass

@@ -173,6 +173,10 @@ class LLMEngine:
                 req.matcher = self.grammar.matcher(self.grammar.compile(so.kind, so.spec))
             except ValueError as e:
                 raise ValueError(f"{so.param}: {e}") from None
+            if so.after is not None:
+                req.grammar_after = self.tokenizer.single_token(so.after)
+                if req.grammar_after is None:
+                    raise ValueError(f"{so.param}: {so.after!r} is not one token of this tokenizer")
         return req
 
     def enqueue(self, req: Request) -> None:
@@ -219,7 +223,9 @@ class LLMEngine:
             if res is None:
                 continue
             req.output_token_ids.append(res.token_id)
-            if req.matcher is not None and not req.matcher.consume_token(res.token_id):
+            if req.grammar_after is not None and res.token_id == req.grammar_after:
+                req.grammar_after = None  # the constraint starts with the next token
+            elif req.constrained and not req.matcher.consume_token(res.token_id):
                 outputs.append(self._fail(req, RuntimeError(f"structured output: {req.matcher.get_error()}")))
                 continue
             if res.top_logprobs is not None:
@@ -270,7 +276,7 @@ class LLMEngine:
             reason = "stop"
         elif tok in sp.stop_token_ids:
             reason = "stop"
-        elif req.matcher is not None and req.matcher.is_stopped():  # the constraint is complete
+        elif req.constrained and req.matcher.is_stopped():  # the constraint is complete
             reason = "stop"
         else:
             for s in sp.stop:

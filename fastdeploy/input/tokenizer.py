@@ -14,6 +14,8 @@ TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁c
 TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
 TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+# DeepSeek-R1's reasoning tags: added tokens, not special (they stay in decoded text)
+THINK_START, THINK_END = "<think>", "</think>"
 TOOL_TOKENS = [
     TOOL_CALLS_BEGIN,
     TOOL_CALLS_END,
@@ -56,6 +58,11 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and not text.startswith(self.bos_token):
             ids = [self.bos_token_id] + ids
         return ids
+
+    def single_token(self, text: str) -> int | None:
+        """The id of the one token that spells ``text`` exactly, or None."""
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return ids[0] if len(ids) == 1 else None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -12,12 +12,12 @@ import tempfile
 
 import numpy as np
 
-from fastdeploy.input.tokenizer import TOOL_TOKENS
+from fastdeploy.input.tokenizer import THINK_END, THINK_START, TOOL_TOKENS
 from fastdeploy.model_executor.ops.fp8_numerics import quantize_fp8_blocks
 from fastdeploy.model_executor.safetensors_io import save_file
 
 TINY_PRESET = "tiny-mla-swa"
-PRESET_VERSION = 2
+PRESET_VERSION = 3
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -214,7 +214,7 @@ def build_tokenizer(vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in [*TOOL_TOKENS, THINK_START, THINK_END]])
     return tok
 
 

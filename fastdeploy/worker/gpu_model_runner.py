@@ -244,7 +244,7 @@ class GPUModelRunner:
             if logits is None:
                 return results
             reqs = [scheduled[i][0] for i in step["samples_at"]]
-            if any(r.matcher is not None for r in reqs):
+            if any(r.constrained for r in reqs):
                 logits = self.constrain(logits, reqs)
             for i, r in zip(step["samples_at"], self.sampler.sample(logits, reqs), strict=True):
                 results[i] = r
@@ -271,13 +271,13 @@ class GPUModelRunner:
 
     def constrain(self, logits: paddle.Tensor, reqs: list[Request]) -> paddle.Tensor:
         """logits [B, vocab] with every token a row's structured-output matcher rejects set to
-        MASKED_LOGIT (rows without a matcher unchanged); one [B, vocab] bool upload. Only steps with
+        MASKED_LOGIT (rows not constrained yet or at all unchanged); one [B, vocab] bool upload. Only steps with
         such a request pay for it. Finite, so the sampler's check for non-finite logits still
         catches a broken model, and low enough that no penalty, bias or temperature lifts it
         near a real logit (exp of the difference is 0 in float32)."""
         vocab = logits.shape[1]
         keep = np.ones((len(reqs), vocab), bool)
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        rows = [i for i, r in enumerate(reqs) if r.constrained]
         keep[rows] = allowed_tokens([reqs[i].matcher for i in rows], vocab)
         mask = paddle.to_tensor(keep, place=logits.place)
         return paddle.where(mask, logits, paddle.full_like(logits, MASKED_LOGIT))

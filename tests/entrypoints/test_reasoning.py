@@ -1,11 +1,13 @@
 """--reasoning-parser deepseek_r1: the split of <think> ... </think> into reasoning_content and
 content, whole and streamed. Streaming must not depend on how the text is chunked: for any text
 made of tag fragments and words and any chunking, the concatenated deltas equal the whole-text
-split (Hypothesis). The server carries the fields on chat, streamed equal to non-streamed."""
+split (Hypothesis). The server carries the fields on chat, streamed equal to non-streamed, and a
+response_format constrains only what follows </think>."""
 
 import json
 
 import httpx
+import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -94,7 +96,42 @@ def test_server_chat_carries_reasoning_content(base):
     # completions are untouched by the parser
     cmpl = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60).json()
     assert "reasoning_content" not in cmpl["choices"][0]
-    bad = {**body, "response_format": {"type": "json_object"}}
-    err = httpx.post(base + "/v1/chat/completions", json=bad, timeout=60).json()["error"]
-    assert err["param"] == "response_format"
+    wait_idle(base)
+
+
+def test_json_schema_applies_after_the_reasoning(base):
+    """With the parser on, a response_format constrains only the content: the reasoning before
+    </think> is free, the content validates, streamed equal to non-streamed. </think> is nudged
+    by logit_bias so the random model writes it after a few free tokens."""
+    end = httpx.post(base + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    assert len(end) == 1
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    free = 0
+    for seed in range(6):
+        body = {
+            "messages": [{"role": "user", "content": "think, then answer"}],
+            "max_tokens": 40,
+            "seed": seed,
+            "response_format": rf,
+            "logit_bias": {str(end[0]): 5.0},
+        }
+        msg = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        if msg["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(msg["message"]["content"]), schema)
+            free += bool(msg["message"]["reasoning_content"])
+        r = c = ""
+        with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        r += ch["delta"].get("reasoning_content") or ""
+                        c += ch["delta"].get("content") or ""
+        assert (r or None, c or None) == (msg["message"]["reasoning_content"], msg["message"]["content"])
+    assert free >= 2
     wait_idle(base)

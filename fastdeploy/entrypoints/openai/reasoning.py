@@ -12,9 +12,10 @@ start, a trailing prefix of ``</think>``), and releases it when the stream ends.
 
 from __future__ import annotations
 
+from fastdeploy.input.tokenizer import THINK_END as END
+from fastdeploy.input.tokenizer import THINK_START as START
 from fastdeploy.input.tokenizer import partial_tag_len
 
-START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1",)
 
 

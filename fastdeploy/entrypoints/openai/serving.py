@@ -35,6 +35,7 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.response import Delta, ResponseFormatter
 from fastdeploy.entrypoints.openai.tools import check_history_call, check_tool_choice, check_tools
+from fastdeploy.input.tokenizer import THINK_END
 from fastdeploy.request import Request as EngineRequest
 from fastdeploy.request import RequestOutput
 from fastdeploy.sampling_params import SamplingParams, StructuredOutput
@@ -305,8 +306,6 @@ class OpenAIServer:
     def _prepare_chat(self, body: ChatCompletionRequest, rid: str) -> list[list[EngineRequest]]:
         self._check_common(body)
         so = self._structured(body)
-        if so is not None and self.reasoning_parser is not None:  # it would constrain the reasoning too
-            raise APIError(400, f"{so.param}: not supported with --reasoning-parser yet", so.param)
         messages = self._messages(body.messages)
         tools = check_tools(body.tools)
         grammar = check_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
@@ -314,10 +313,6 @@ class OpenAIServer:
         if grammar is not None:
             if so is not None:
                 raise APIError(400, f"{so.param}: cannot be combined with tool_choice {body.tool_choice!r}", so.param)
-            if self.reasoning_parser is not None:
-                raise APIError(
-                    400, "tool_choice: forced calls are not supported with --reasoning-parser yet", "tool_choice"
-                )
             forced = StructuredOutput("lark", grammar, "tool_choice")
         try:
             text = self.tokenizer.apply_chat_template(messages, body.add_generation_prompt, tools or None)
@@ -328,7 +323,10 @@ class OpenAIServer:
         top_n = body.top_logprobs or 0
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = top_n if body.logprobs else None
-        return self._requests(rid, [(text, "messages")], body, max_tokens, logprobs, forced or so)
+        so = forced or so
+        if so is not None and self.reasoning_parser is not None:  # the reasoning stays free
+            so = replace(so, after=THINK_END)
+        return self._requests(rid, [(text, "messages")], body, max_tokens, logprobs, so)
 
     def _submit(self, reqs: list[list[EngineRequest]]) -> list[tuple[EngineRequest, asyncio.Queue]]:
         flat, queued = [r for row in reqs for r in row], []
