@@ -43,6 +43,9 @@ from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     swa_indexer_kernel as indexer,
 )
+from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
+    token_mask_kernel,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -278,6 +281,22 @@ def cases():
         sampler._count_kernel,
         {"tokens_ptr": "*i32", "iparams_ptr": "*i32", "counts_ptr": "*i32", "V": "i32"},
         {},
+        {},
+    )
+    yield (
+        "token_bitmask",
+        token_mask_kernel._apply_token_bitmask_kernel,
+        {
+            "logits_ptr": "*fp32",
+            "logits_stride": "i32",
+            "words_ptr": "*i32",
+            "words_stride": "i32",
+            "rows_ptr": "*i32",
+            "V": "i32",
+            "MASKED": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        {"MASKED": -1e30, "BLOCK": token_mask_kernel.BLOCK},
         {},
     )
     yield (

@@ -153,16 +153,26 @@ def _grammar(kind: str, spec: str) -> str:
 _executor: llguidance.LLExecutor | None = None
 
 
-def allowed_tokens(matchers: list[llguidance.LLMatcher], vocab_size: int) -> np.ndarray:
-    """bool [len(matchers), vocab_size]: the tokens each matcher accepts next (a stopped or failed
-    matcher accepts only EOS, as llguidance's mask says). The masks are computed in parallel by
-    llguidance's thread pool (32 JSON-schema rows at 129,280 tokens: 3.4 ms on 2 cores, 5.1 one
-    by one; benchmarks/bench_structured.py)."""
+def token_bitmask(matchers: list[llguidance.LLMatcher], vocab_size: int) -> np.ndarray:
+    """int32 [len(matchers), ceil(vocab_size / 32)]: bit t % 32 of word t // 32 set when the
+    matcher accepts token t next (a stopped or failed matcher accepts only EOS, as llguidance's
+    mask says). Computed in parallel by llguidance's thread pool, which releases the GIL (32
+    JSON-schema rows at 129,280 tokens: 3.4 ms on 2 cores, 5.1 one by one;
+    benchmarks/bench_structured.py)."""
     global _executor
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    words = (vocab_size + 31) // 32
-    bits = np.zeros((len(matchers), words), np.int32)
+    bits = np.zeros((len(matchers), (vocab_size + 31) // 32), np.int32)
     fill_next_token_bitmask_par(_executor, [(m, i) for i, m in enumerate(matchers)], bits)
-    as_bytes = bits.view(np.uint8).reshape(len(matchers), words * 4)  # little-endian words
+    return bits
+
+
+def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool [n, vocab_size] from packed int32 words (bit t % 32 of word t // 32, little-endian)."""
+    as_bytes = np.ascontiguousarray(words, np.int32).view(np.uint8).reshape(len(words), -1)
     return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+
+
+def allowed_tokens(matchers: list[llguidance.LLMatcher], vocab_size: int) -> np.ndarray:
+    """bool [len(matchers), vocab_size]: the tokens each matcher accepts next."""
+    return unpack_bitmask(token_bitmask(matchers, vocab_size), vocab_size)

@@ -234,7 +234,9 @@ def make_tiny_model(
         cfg["quantization_config"] = dict(FP8_CONFIG)
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer(cfg["vocab_size"])
-    cfg["vocab_size"] = max(cfg["vocab_size"], tok.get_vocab_size())
+    # padded past the tokenizer to a multiple of 16, as real checkpoints pad theirs (DeepSeek-V3:
+    # 129,280 rows for 128,815 tokens), so the vocabulary splits over up to 16 ranks
+    cfg["vocab_size"] = -(-max(cfg["vocab_size"], tok.get_vocab_size()) // 16) * 16
     cfg["bos_token_id"], cfg["eos_token_id"] = tok.token_to_id(BOS), tok.token_to_id(EOS)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)

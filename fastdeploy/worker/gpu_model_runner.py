@@ -12,23 +12,24 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import paddle
 
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
 from fastdeploy.distributed.parallel import TPGroup
-from fastdeploy.input.grammar import allowed_tokens
+from fastdeploy.input.grammar import token_bitmask
 from fastdeploy.model_executor.forward_meta import ForwardMetaBuilder
 from fastdeploy.model_executor.layers.attention.base_backend import KVSpec
 from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
 from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.model_executor.load_weight_utils import load_weights, parameter_bytes
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
+from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitmask
 from fastdeploy.request import Request
 
 logger = logging.getLogger("fastdeploy")
-MASKED_LOGIT = -1e30
 
 CPU_KV_CACHE_BYTES = 512 * 2**20  # default KV pool on CPU (override: FD_CPU_KV_CACHE_BYTES)
 PROMPT_LOGPROB_ROWS = 256  # prompt-logprob rows whose float32 [rows, vocab] logits exist at once
@@ -127,6 +128,7 @@ class GPUModelRunner:
         self.kv_specs = layer_kv_specs(mc, fd_config.cache_config, self.dtype)
         self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.kv_specs))  # the same on every rank
         self.caches = self.allocate_caches(self.num_blocks)
+        self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="fastdeploy-mask")
         self.sampler = DeviceSampler(
             mc.vocab_size, fd_config.scheduler_config.max_num_seqs, fd_config.kernel_config.triton
         )
@@ -237,15 +239,23 @@ class GPUModelRunner:
         self.step_started = time.monotonic()  # the watchdog times the input broadcast too
         try:
             step = self.tp.broadcast_object(self.step_inputs(scheduled))
-            logits, prompt = self.run_step(step)
+            reqs = [scheduled[i][0] for i in step["samples_at"]]
+            masked = [i for i, r in enumerate(reqs) if r.constrained]
+            masks = None  # computed by llguidance's threads while this thread runs the forward
+            if masked:
+                vocab = self.fd.model_config.vocab_size
+                masks = self.mask_pool.submit(token_bitmask, [reqs[i].matcher for i in masked], vocab)
+            try:
+                logits, prompt = self.run_step(step)
+            finally:
+                words = masks.result() if masks is not None else None  # never left running
             if prompt is not None:
                 self.record_prompt_logprobs(scheduled, prompt)
             results: list[SampleResult | Exception | None] = [None] * len(scheduled)
             if logits is None:
                 return results
-            reqs = [scheduled[i][0] for i in step["samples_at"]]
-            if any(r.constrained for r in reqs):
-                logits = self.constrain(logits, reqs)
+            if words is not None:
+                logits = apply_token_bitmask(logits, words, masked, self.fd.kernel_config.triton)
             for i, r in zip(step["samples_at"], self.sampler.sample(logits, reqs), strict=True):
                 results[i] = r
             return results
@@ -268,19 +278,6 @@ class GPUModelRunner:
                 entry[req.prompt_token_ids[p]] = float(lp[r])
                 req.prompt_logprobs[p], req.prompt_ranks[p] = entry, int(rank[r])
                 r += 1
-
-    def constrain(self, logits: paddle.Tensor, reqs: list[Request]) -> paddle.Tensor:
-        """logits [B, vocab] with every token a row's structured-output matcher rejects set to
-        MASKED_LOGIT (rows not constrained yet or at all unchanged); one [B, vocab] bool upload. Only steps with
-        such a request pay for it. Finite, so the sampler's check for non-finite logits still
-        catches a broken model, and low enough that no penalty, bias or temperature lifts it
-        near a real logit (exp of the difference is 0 in float32)."""
-        vocab = logits.shape[1]
-        keep = np.ones((len(reqs), vocab), bool)
-        rows = [i for i, r in enumerate(reqs) if r.constrained]
-        keep[rows] = allowed_tokens([reqs[i].matcher for i in rows], vocab)
-        mask = paddle.to_tensor(keep, place=logits.place)
-        return paddle.where(mask, logits, paddle.full_like(logits, MASKED_LOGIT))
 
     def serve_steps(self) -> None:
         """A worker rank: run the driver's steps until it broadcasts None."""
