@@ -55,14 +55,14 @@ def test_constraint_after_the_end_of_reasoning():
     }
     so = StructuredOutput("json", json.dumps(schema), "response_format.json_schema", after="</think>")
     params = [
-        SamplingParams(max_tokens=80, temperature=1.0, seed=s, structured=so, logit_bias={end: 5.0}) for s in range(24)
+        SamplingParams(max_tokens=80, temperature=1.0, seed=s, structured=so, logit_bias={end: 3.0}) for s in range(24)
     ]
     outs = llm.generate(["Think, then answer:"] * len(params), params)
     free_text, answered = 0, 0
     for out in outs:
         ids = out.outputs[0].token_ids
-        if end not in ids:
-            assert out.outputs[0].finish_reason == "length"
+        if end not in ids:  # never constrained: EOS or max_tokens ended it
+            assert out.outputs[0].finish_reason in ("stop", "length")
             continue
         at = ids.index(end)
         free_text += at > 0
@@ -70,7 +70,7 @@ def test_constraint_after_the_end_of_reasoning():
         if out.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(answer), schema)
             answered += 1
-    assert free_text >= 8 and answered >= 18, (free_text, answered)
+    assert free_text >= 12 and answered >= 15, (free_text, answered)
     assert all(p.num_used == 0 for p in llm.engine.block_manager.pools.values())
     with pytest.raises(ValueError, match="^response_format: 'not one token' is not one token"):
         bad = StructuredOutput("json_object", "", "response_format", after="not one token")
