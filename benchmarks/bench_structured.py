@@ -86,32 +86,55 @@ class SyntheticVocab:
         return [self.tokens.index(bytes([b])) for b in data]  # byte by byte: only used for forced text
 
 
-def mask_cost(rows: int = 32, vocab: int = 129280, steps: int = 20) -> dict:
-    """ms a step of computing ``rows`` JSON-schema masks at DeepSeek-V3's vocabulary size, and of
-    the runner's masking op on CPU (bool [rows, vocab] upload + where), walking the matchers."""
+def mask_cost(rows: int = 32, vocab: int = 129280, steps: int = 20, forward_ms: float = 20.0) -> dict:
+    """ms a step of computing ``rows`` JSON-schema masks at DeepSeek-V3's vocabulary size
+    (llguidance's packed words, as the runner takes them), of applying them with the runner's CPU
+    op (paddle), and of a step whose forward is a ``forward_ms`` wait (what the host sees while
+    the GPU runs: the GIL is free) with the masks computed before it (as the runner did) and
+    beside it in the runner's mask thread (as it does now)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import llguidance
     import numpy as np
     import paddle
 
-    from fastdeploy.input.grammar import allowed_tokens
+    from fastdeploy.input.grammar import token_bitmask, unpack_bitmask
+    from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitmask
 
     lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(SyntheticVocab(vocab)), n_vocab=vocab)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.loads(CONSTRAINTS["json_schema"].spec))
     matchers = [llguidance.LLMatcher(lltok, grammar, log_level=0) for _ in range(rows)]
     rng = np.random.default_rng(0)
     logits = paddle.randn([rows, vocab])
-    t_mask = t_apply = 0.0
+    pool = ThreadPoolExecutor(1)
+    t_mask = t_apply = t_serial = t_overlap = 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
-        keep = allowed_tokens(matchers, vocab)
+        words = token_bitmask(matchers, vocab)
         t1 = time.perf_counter()
-        out = paddle.where(paddle.to_tensor(keep), logits, paddle.full_like(logits, -1e30))
+        out = apply_token_bitmask(logits, words, list(range(rows)), triton=False)
         float(out[0, 0])
         t2 = time.perf_counter()
+        time.sleep(forward_ms / 1e3)  # serial: masks, then the forward
+        t3 = time.perf_counter()
+        fut = pool.submit(token_bitmask, matchers, vocab)
+        time.sleep(forward_ms / 1e3)
+        fut.result()
+        t4 = time.perf_counter()
         t_mask, t_apply = t_mask + t1 - t0, t_apply + t2 - t1
-        for m, k in zip(matchers, keep, strict=True):
+        t_serial, t_overlap = t_serial + t3 - t0 - (t2 - t1), t_overlap + t4 - t3
+        for m, k in zip(matchers, unpack_bitmask(words, vocab), strict=True):
             m.consume_token(int(rng.choice(np.flatnonzero(k))))
-    return {"rows": rows, "vocab": vocab, "mask_ms": t_mask / steps * 1e3, "apply_ms_cpu": t_apply / steps * 1e3}
+    ms = 1e3 / steps
+    return {
+        "rows": rows,
+        "vocab": vocab,
+        "mask_ms": t_mask * ms,
+        "apply_ms_cpu": t_apply * ms,
+        "forward_ms": forward_ms,
+        "step_ms_masks_then_forward": t_serial * ms,
+        "step_ms_masks_beside_forward": t_overlap * ms,
+    }
 
 
 def main() -> None:
@@ -129,7 +152,8 @@ def main() -> None:
     mc = mask_cost()
     print(
         f"{mc['rows']} masks at vocabulary {mc['vocab']}: {mc['mask_ms']:.2f} ms a step; masking op on CPU "
-        f"{mc['apply_ms_cpu']:.2f} ms"
+        f"{mc['apply_ms_cpu']:.2f} ms; a step with a {mc['forward_ms']:.0f} ms forward: "
+        f"{mc['step_ms_masks_then_forward']:.2f} ms masks first, {mc['step_ms_masks_beside_forward']:.2f} ms beside it"
     )
     comp = compile_times()
     print(

@@ -269,7 +269,7 @@ class LLMEngine:
         detok = self.detok[req.request_id]
         detok.update(req.output_token_ids)
         req.output_text = detok.text
-        reason = None
+        reason, cut = None, False
         if len(req.output_token_ids) < sp.min_tokens:
             pass  # no stop condition counts before min_tokens
         elif not sp.ignore_eos and tok in req.eos_token_ids:
@@ -283,12 +283,14 @@ class LLMEngine:
                 at = req.output_text.find(s)
                 if at >= 0:
                     req.output_text = req.output_text[:at]
-                    reason = "stop"
+                    reason, cut = "stop", True
                     break
         if reason is None and (
             len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.config.scheduler_config.max_model_len
         ):
             reason = "length"
         if reason:
+            if not cut:  # the whole text, a trailing partial character included (as "\ufffd")
+                req.output_text = self.tokenizer.decode(req.output_token_ids)
             req.finish_reason = reason
             self.scheduler.finish(req)

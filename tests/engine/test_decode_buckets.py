@@ -41,8 +41,10 @@ def same_state(a, b):
         x, y = ca[:n].numpy(), cb[:n].numpy()
         if x.dtype == np.uint8:  # FP8 records: a GEMM of another batch size may round a code the other way
             assert (x != y).mean() < 1e-3
-        else:  # float32 GEMMs of another batch size differ in the last bits
-            np.testing.assert_allclose(x, y, rtol=0, atol=1e-3)
+        else:  # float32 GEMMs of another batch size differ in the last bits, and where that rounds
+            # an earlier SWA layer's e4m3 code the other way, later layers move by up to ~1e-3
+            # (tests/models/test_swa.py's INVARIANCE_TOL); a wrong row or block moves them by O(1)
+            np.testing.assert_allclose(x, y, rtol=0, atol=3e-3)
 
 
 def test_padding_changes_no_token_logprob_count_or_block(tiny_model_dir, rng):
@@ -78,7 +80,7 @@ def test_padding_changes_no_token_logprob_count_or_block(tiny_model_dir, rng):
         for oa, ob in zip(out_a, out_b, strict=True):
             for la, lb in zip(oa.outputs[0].logprobs, ob.outputs[0].logprobs, strict=True):
                 assert la.keys() == lb.keys()
-                np.testing.assert_allclose(list(la.values()), list(lb.values()), rtol=0, atol=1e-3)
+                np.testing.assert_allclose(list(la.values()), list(lb.values()), rtol=0, atol=3e-3)
         same_state(padded, plain)
     assert not padded.has_unfinished_requests() and not plain.has_unfinished_requests()
     assert padded_steps > 0  # some decode steps really ran padded

@@ -135,3 +135,38 @@ def test_json_schema_applies_after_the_reasoning(base):
         assert (r or None, c or None) == (msg["message"]["reasoning_content"], msg["message"]["content"])
     assert free >= 2
     wait_idle(base)
+
+
+def test_forced_tool_choice_applies_after_the_reasoning(base):
+    """A named tool_choice with the parser on: the call grammar starts after </think>; every
+    answer that finishes is exactly one call of the named tool with schema-valid arguments, and
+    its reasoning is kept apart."""
+    end = httpx.post(base + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    params = {
+        "type": "object",
+        "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+        "required": ["hour"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "set_alarm", "parameters": params}}
+    finished = 0
+    for seed in range(6):
+        body = {
+            "messages": [{"role": "user", "content": "wake me"}],
+            "max_tokens": 120,
+            "seed": seed,
+            "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "set_alarm"}},
+            "logit_bias": {str(end[0]): 3.0},
+        }
+        c = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        if c["finish_reason"] == "length":
+            continue
+        finished += 1
+        assert c["finish_reason"] == "tool_calls", c
+        (call,) = c["message"]["tool_calls"]
+        assert call["function"]["name"] == "set_alarm"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+        assert "</think>" not in (c["message"]["reasoning_content"] or "")
+    assert finished >= 3
+    wait_idle(base)

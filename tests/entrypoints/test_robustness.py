@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from live_server import LiveServer, metric, wait_idle
 
@@ -488,12 +489,20 @@ def test_sampling_fields_reach_the_sampler_as_named(live):
 
     base, _ = live
     offline = LLM(**ENGINE)
-    prompt = [40, 41, 40, 41, 40]  # its greedy continuation repeats a token within 10 (preset v3 weights)
-    plain = offline.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=10, temperature=0.0))
-    plain_ids = plain[0].outputs[0].token_ids
-    for field, value in (("presence_penalty", 2.0), ("frequency_penalty", 2.0), ("repetition_penalty", 5.0)):
-        sp = SamplingParams(max_tokens=10, temperature=0.0, **{field: value})
-        want = offline.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids
+    fields = (("presence_penalty", 2.0), ("frequency_penalty", 2.0), ("repetition_penalty", 5.0))
+
+    def greedy(prompt, **kw):
+        sp = SamplingParams(max_tokens=10, temperature=0.0, **kw)
+        return offline.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # a prompt where each penalty changes the greedy output (one repeats a token)
+        prompt = [int(x) for x in rng.integers(4, 60, 3)] * 2
+        plain_ids = greedy(prompt)
+        if all(greedy(prompt, **{f: v}) != plain_ids for f, v in fields):
+            break
+    for field, value in fields:
+        want = greedy(prompt, **{field: value})
         body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, field: value}
         r = httpx.post(base + CMPL, json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == len(want), r.text
