@@ -66,6 +66,7 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None
     prefill_after: Request | None = None  # an earlier sample of the same prompt (prefix sharing)
+    group: str | None = None  # the API call it belongs to (fair admission); None: itself
     matcher: Any = None  # the structured-output matcher (llguidance), advanced with each output token
     grammar_after: int | None = None  # the matcher waits until this token is generated (e.g. </think>)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by position as the prompt is computed
@@ -105,6 +106,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def group_key(self) -> str:
+        return self.group if self.group is not None else self.request_id
 
     @property
     def constrained(self) -> bool:

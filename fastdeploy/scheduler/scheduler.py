@@ -1,14 +1,17 @@
 """Continuous batching: each step runs every running request (decodes first, then continuing
-prefill chunks), then admits waiting requests in arrival order (samples 2..n of one prompt wait
-for the first to compute the prompt), all within ``max_num_batched_tokens`` and
-``max_num_seqs``. When blocks run out, the newest running request is preempted: its blocks are
-freed and it is requeued at the front of the waiting queue, to be recomputed later.
+prefill chunks), then admits waiting requests (samples 2..n of one prompt wait for the first to
+compute the prompt), all within ``max_num_batched_tokens`` and ``max_num_seqs``. Admission is
+fair between groups (``Request.group``: the API call a sequence belongs to): the next admitted is
+the head of the group with the fewest running sequences, ties by arrival, so one call's prompts x
+n sequences cannot hold back a later small call; within a group, arrival order. When blocks run
+out, the newest running request is preempted: its blocks are freed and it is requeued at the
+front of the waiting queue, to be recomputed later.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from fastdeploy.cache_manager.block_manager import BlockManager
@@ -74,13 +77,12 @@ class Scheduler:
                 out.scheduled.append((req, n))
                 budget -= n
         budget = self.config.max_num_batched_tokens - out.num_tokens
-        i = 0
-        while (
-            i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
-        ):
-            req = self.waiting[i]
+        admitted = False
+        can_admit = budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted
+        for req in self._fair_order() if can_admit else ():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if self._waits_for_sibling(req):
-                i += 1
                 continue
             cached = self.bm.match_prefix(req)
             req.num_computed_tokens = cached
@@ -95,14 +97,33 @@ class Scheduler:
                 self.bm.free_request(req)
                 req.num_computed_tokens = 0
                 break
-            del self.waiting[i]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            admitted = True
             out.scheduled.append((req, n))
             budget -= n
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if r.status == RequestStatus.WAITING)
         return out
+
+    def _fair_order(self) -> list[Request]:
+        """The waiting requests in admission order. The k-th waiting request (from 0) of a group
+        with r running sequences ranks r + k, ties by arrival: admitting them in that order always
+        takes the next from a group with the fewest running, and keeps each group's own order.
+        Requests without a group rank 0, so with none grouped this is arrival order."""
+        waiting = list(self.waiting)
+        if all(r.group is None for r in waiting):
+            return waiting
+        running = Counter(r.group_key for r in self.running)
+        seen: Counter = Counter()
+        ranks = []
+        for i, r in enumerate(waiting):
+            g = r.group_key
+            ranks.append((running[g] + seen[g], i))
+            seen[g] += 1
+        return [waiting[i] for _, i in sorted(ranks)]
 
     @staticmethod
     def _waits_for_sibling(req: Request) -> bool:

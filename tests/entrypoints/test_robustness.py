@@ -553,3 +553,37 @@ def test_a_body_that_is_not_utf8_is_a_400(live, encoding):
     plain = json.dumps({**GREEDY, "prompt": "héllo"}, ensure_ascii=False).encode("utf-8")
     ok = httpx.post(base + CMPL, content=plain, headers={"content-type": "application/json"}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_large_request_does_not_starve_a_small_one():
+    """Issue 25's amplification case, scaled to 8 slots: one call of 15 prompts x n=16 (240
+    sequences) is running when a 2-token call arrives; fair admission gives it the next free
+    slot, so it is answered long before the large call ends (arrival order made it wait for all
+    240)."""
+    eng = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE, max_num_seqs=8)))
+    s = LiveServer(eng)
+    try:
+        big = {"prompt": ["a b c"] * 15, "n": 16, "max_tokens": 16, "ignore_eos": True}
+        done = {}
+
+        def run_big():
+            t = time.monotonic()
+            r = httpx.post(s.base + CMPL, json=big, timeout=300)
+            done["big"] = (time.monotonic() - t, r.status_code, r.json()["usage"]["completion_tokens"])
+
+        th = threading.Thread(target=run_big)
+        started = time.monotonic()
+        th.start()
+        while metric(s.base, "num_requests_running") < 8:
+            time.sleep(0.01)
+        t = time.monotonic()
+        small = httpx.post(s.base + CMPL, json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=300)
+        small_s, small_at = time.monotonic() - t, time.monotonic() - started
+        th.join(300)
+        big_s, status, tokens = done["big"]
+        assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
+        assert status == 200 and tokens == 240 * 16
+        assert small_at < big_s / 4 and small_s < big_s / 4, (small_s, small_at, big_s)
+        wait_idle(s.base)
+    finally:
+        s.close()

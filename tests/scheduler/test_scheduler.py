@@ -56,3 +56,41 @@ def test_each_step_keeps_the_token_and_sequence_budgets():
                 s.finish(req)
         assert steps < 50
     assert steps > 3  # the budget really split the work
+
+
+def test_admission_is_fair_between_groups():
+    """Group "A" (one API call's many sequences) fills the slots first; "B" arrives later and its
+    sequences are admitted as soon as slots free up, ahead of A's backlog, one for each of A's
+    until the running counts are level; within a group, arrival order."""
+    s = make(blocks=400, max_num_seqs=4)
+    a = [Request(f"a{i}", [1] * 4, SamplingParams(), group="A") for i in range(10)]
+    for r in a:
+        s.add(r)
+    run(s)
+    assert [r.request_id for r in s.running] == ["a0", "a1", "a2", "a3"]
+    b = [Request(f"b{i}", [1] * 4, SamplingParams(), group="B") for i in range(3)]
+    for r in b:
+        s.add(r)
+    s.finish(a[0])
+    out = run(s)
+    assert [r.request_id for r, n in out.scheduled if n > 1] == ["b0"]  # B has 0 running, A 3
+    s.finish(a[1])
+    s.finish(a[2])
+    out = run(s)
+    assert [r.request_id for r, n in out.scheduled if n > 1] == ["a4", "b1"]  # 1 running each: arrival
+    assert [r.request_id for r in s.waiting] == ["a5", "a6", "a7", "a8", "a9", "b2"]
+
+
+def test_groups_arriving_together_interleave():
+    s = make(blocks=400, max_num_seqs=4)
+    for i in range(3):
+        s.add(Request(f"a{i}", [1] * 4, SamplingParams(), group="A"))
+    for i in range(3):
+        s.add(Request(f"b{i}", [1] * 4, SamplingParams(), group="B"))
+    run(s)
+    assert [r.request_id for r in s.running] == ["a0", "b0", "a1", "b1"]
+    ungrouped = make(blocks=400, max_num_seqs=4)  # no groups: arrival order
+    for i in range(6):
+        ungrouped.add(Request(f"r{i}", [1] * 4, SamplingParams()))
+    run(ungrouped)
+    assert [r.request_id for r in ungrouped.running] == ["r0", "r1", "r2", "r3"]

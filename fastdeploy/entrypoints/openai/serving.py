@@ -242,6 +242,7 @@ class OpenAIServer:
                     raise APIError(400, str(e), param_of(str(e))) from None
                 if isinstance(prompt, str) and param != "messages":
                     req.prompt = prompt  # echo returns it as given
+                req.group = rid  # fair admission between API calls
                 if row and self.prefix_caching and req.prompt_logprobs is None:
                     req.prefill_after = row[0]  # share the prompt's blocks through the prefix cache
                 row.append(req)
