@@ -17,6 +17,7 @@ import uvicorn
 
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.entrypoints.openai import api_server
+from fastdeploy.entrypoints.openai.http_protocol import header_timeout_protocol
 
 
 def free_port() -> int:
@@ -28,11 +29,12 @@ def free_port() -> int:
 class LiveServer:
     """``build_app(engine, **kw)`` served by uvicorn until ``close``; ``base`` is its URL."""
 
-    def __init__(self, engine: AsyncLLMEngine, **kw) -> None:
+    def __init__(self, engine: AsyncLLMEngine, header_timeout: float = 10.0, **kw) -> None:
         self.engine = engine
         port = free_port()
         self.app = app = api_server.build_app(engine, "tiny-mla-swa", **kw)
-        self.srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        http = header_timeout_protocol(header_timeout)
+        self.srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=http))
         self.thread = threading.Thread(target=self.srv.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30

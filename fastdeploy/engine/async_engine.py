@@ -122,8 +122,8 @@ class AsyncLLMEngine:
                         with self.lock:
                             self._deliver(e, req.request_id)
                 for rid, _ in aborts:
-                    self.engine.abort_request(rid)
-                    logger.info("aborted request %s", rid)
+                    if self.engine.abort_request(rid):  # asked twice (a client gone, its stream closed): logged once
+                        logger.info("aborted request %s", rid)
                 if not self.engine.has_unfinished_requests():
                     continue
                 outs = self.engine.step()

@@ -186,15 +186,18 @@ class LLMEngine:
         self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(req)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a live request, freeing its blocks; whether there was one to abort."""
         req = self.requests.pop(request_id, None)
-        if req is not None and not req.is_finished:
+        live = req is not None and not req.is_finished
+        if live:
             req.finish_reason = "abort"
             self.scheduler.abort(req)
             req.status = req.status.FINISHED
             for listener in self.finish_listeners:
                 listener(request_id, "abort")
         self.detok.pop(request_id, None)
+        return live
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -36,6 +36,7 @@ from fastdeploy.engine.args import EngineArgs, add_dataclass_args, setting
 from fastdeploy.engine.async_engine import AsyncLLMEngine
 from fastdeploy.engine.engine import EXIT_GRACE_S, LLMEngine
 from fastdeploy.entrypoints.openai.guard import Guard
+from fastdeploy.entrypoints.openai.http_protocol import header_timeout_protocol
 from fastdeploy.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -60,6 +61,7 @@ def build_app(
     max_request_bytes: int = 16 * 2**20,
     max_seqs_per_request: int = 256,
     reasoning_parser: str | None = None,
+    limit_concurrency: int | None = None,
 ):
     """The FastAPI app behind the Guard (API key, body limit); returns the ASGI app with
     ``.fastapi`` and ``.server`` attributes."""
@@ -140,7 +142,7 @@ def build_app(
     async def metrics():
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    guarded = Guard(app, api_key, max_request_bytes)
+    guarded = Guard(app, api_key, max_request_bytes, limit_concurrency)
     guarded.fastapi, guarded.server = app, srv
     return guarded
 
@@ -156,6 +158,8 @@ class ServerArgs:
     log_level: str = setting("info", "logging level", ("debug", "info", "warning", "error", "critical"))
     max_request_bytes: int = setting(16 * 2**20, "largest request body accepted; larger gets 413")
     max_seqs_per_request: int = setting(256, "most sequences one request may start (prompts x n); more gets 400")
+    limit_concurrency: int | None = setting(None, "most requests in flight (health, metrics excepted); more get 503")
+    header_timeout: float = setting(10.0, "seconds a request's headers may take to arrive; then the connection closes")
     shutdown_timeout: float = setting(30.0, "seconds in-flight requests may finish after SIGTERM / SIGINT")
     exit_on_engine_error: bool = setting(True, "exit non-zero when the engine thread dies, for a supervisor")
     reasoning_parser: str | None = setting(
@@ -247,8 +251,10 @@ def main(argv: list[str] | None = None) -> None:
 
     async_engine = AsyncLLMEngine(engine, on_fatal=on_fatal)
     key = ns.api_key or os.environ.get("FD_API_KEY")
-    app = build_app(async_engine, name, key, ns.max_request_bytes, ns.max_seqs_per_request, ns.reasoning_parser)
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower())
+    limits = (ns.max_request_bytes, ns.max_seqs_per_request, ns.reasoning_parser, ns.limit_concurrency)
+    app = build_app(async_engine, name, key, *limits)
+    http = header_timeout_protocol(ns.header_timeout)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level.lower(), http=http)
     server = holder["server"] = DrainingServer(config, async_engine, ns.shutdown_timeout)
     logger.info("serving %s on http://%s:%d", name, ns.host, ns.port)
     server.run()

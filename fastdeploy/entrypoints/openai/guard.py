@@ -1,11 +1,14 @@
-"""A pure ASGI middleware in front of the app: the API key and the request-body limit.
+"""A pure ASGI middleware in front of the app: the API key, the request-body limit and the
+concurrency limit.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware, which hides ``http.disconnect`` from handlers),
 so a client that goes away is still seen by the request it left. /health and /metrics stay open;
 /v1/*, /docs, /redoc and /openapi.json need the key when one is set. A body over ``max_bytes`` gets
 413 at once when Content-Length says so, else as soon as that many bytes have arrived. A body that
 is not UTF-8 (a byte order mark, or the NUL bytes of UTF-16 / UTF-32 in its first four bytes,
-which json.loads would otherwise decode) gets a 400 naming ``body``.
+which json.loads would otherwise decode) gets a 400 naming ``body``. With ``limit_concurrency``
+(uvicorn's name), a request beyond that many in flight gets a 503 at once (/health and /metrics
+are not counted and always answered, so a supervisor never mistakes load for death).
 """
 
 from __future__ import annotations
@@ -33,9 +36,13 @@ def not_utf8(head: bytes) -> bool:
     return head.startswith(BOMS) or b"\x00" in head[:4]
 
 
+OPEN = ("/health", "/metrics")
+
+
 class Guard:
-    def __init__(self, app, api_key: str | None, max_bytes: int) -> None:
+    def __init__(self, app, api_key: str | None, max_bytes: int, limit_concurrency: int | None = None) -> None:
         self.app, self.api_key, self.max_bytes = app, api_key, max_bytes
+        self.limit, self.in_flight = limit_concurrency, 0
 
     async def _reply(self, send, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -46,6 +53,20 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if scope["path"] in OPEN:
+            return await self.app(scope, receive, send)
+        if self.limit is not None and self.in_flight >= self.limit:
+            msg = error_body(
+                f"server busy: {self.limit} requests in flight (--limit-concurrency)", kind="service_unavailable"
+            )
+            return await self._reply(send, 503, msg)
+        self.in_flight += 1
+        try:
+            await self._guarded(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _guarded(self, scope, receive, send) -> None:
         headers = dict(scope.get("headers") or [])
         if self.api_key and scope["path"].startswith(KEYED):
             if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -40,6 +41,7 @@ from fastdeploy.request import Request as EngineRequest
 from fastdeploy.request import RequestOutput
 from fastdeploy.sampling_params import SamplingParams, StructuredOutput
 
+logger = logging.getLogger("fastdeploy")
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
@@ -418,6 +420,8 @@ class OpenAIServer:
             await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
             if not gathered.done() and await http.is_disconnected():
                 gathered.cancel()
+                gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no ERROR log
+                logger.info("client disconnected: aborting %d sequence(s) of %s", len(queued), fmt.base["id"])
                 for r, _ in queued:
                     self.engine.abort(r.request_id)
                 return JSONResponse(error_body("client disconnected"), status_code=499)
