@@ -19,6 +19,6 @@ setup(
     install_requires=install_requires,
     extras_require={
         # torch (CPU) only lets Triton's interpreter run the kernels in tests (DESIGN.md §5).
-        "test": ["pytest>=8", "pytest-cov>=5", "diff-cover>=9", "httpx>=0.27", "openai>=1.30", "torch==2.13.0", "ruff", "import-linter>=2.1", "hypothesis>=6.100", "jsonschema>=4.20", "lm_eval[api]>=0.4.13,<0.5"],
+        "test": ["pytest>=8", "pytest-cov>=5", "diff-cover>=9", "httpx>=0.27", "openai>=1.30", "torch==2.13.0", "ruff", "import-linter>=2.1", "hypothesis>=6.100", "jsonschema>=4.20", "lm_eval[api]>=0.4.13,<0.5", "schemathesis>=4.0"],
     },
 )
