@@ -7,7 +7,8 @@ size 1 whose collectives are no-ops, so the single-device path is the same code.
 
 Ranks come either from ``paddle.distributed.launch`` (its PADDLE_* environment; several nodes
 possible) or from ``spawn_workers``, which starts ranks 1..N-1 of one node as child processes of
-the driver with the same environment the launcher would give them.
+the driver with the same environment the launcher would give them, each beating into a pipe
+the driver's watchdog reads (``start_beating``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +27,8 @@ import numpy as np
 import paddle
 
 LAUNCH_ENV = "PADDLE_TRAINERS_NUM"
+BEAT_ENV = "FD_BEAT_FD"  # a spawned worker's liveness pipe (its write end's descriptor)
+BEAT_S = 0.5  # seconds between a worker's beats
 
 
 @dataclass
@@ -33,6 +38,7 @@ class TPGroup:
     group: Any = None  # tensor collectives: the default group
     cpu_group: Any = None  # host arrays: a gloo group
     workers: list = field(default_factory=list)  # child processes this driver started
+    beats: list = field(default_factory=list)  # per worker, the read end of its liveness pipe
 
     @property
     def is_driver(self) -> bool:
@@ -103,17 +109,42 @@ def rank_env(rank: int, world_size: int, endpoints: list[str], master: str) -> d
     }
 
 
-def spawn_workers(world_size: int, worker_argv: list[str]) -> list[subprocess.Popen]:
+def spawn_workers(world_size: int, worker_argv: list[str]) -> tuple[list[subprocess.Popen], list[int]]:
     """Start ranks 1..world_size-1 on this node (``python -m fastdeploy.worker.tp_worker ARGV``)
-    and give this process rank 0's environment."""
+    and give this process rank 0's environment; each worker beats into a pipe whose write end it
+    inherits (``BEAT_ENV``). Returns the processes and the pipes' read ends (non-blocking)."""
     endpoints = [f"127.0.0.1:{_free_port()}" for _ in range(world_size)]
     master = f"127.0.0.1:{_free_port()}"
-    procs = []
+    procs, beats = [], []
     for r in range(1, world_size):
-        env = {**os.environ, **rank_env(r, world_size, endpoints, master)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "fastdeploy.worker.tp_worker", *worker_argv], env=env))
+        rd, wr = os.pipe()
+        os.set_blocking(rd, False)
+        env = {**os.environ, **rank_env(r, world_size, endpoints, master), BEAT_ENV: str(wr)}
+        argv = [sys.executable, "-m", "fastdeploy.worker.tp_worker", *worker_argv]
+        procs.append(subprocess.Popen(argv, env=env, pass_fds=(wr,)))
+        os.close(wr)
+        beats.append(rd)
     os.environ.update(rank_env(0, world_size, endpoints, master))
-    return procs
+    return procs, beats
+
+
+def start_beating(interval: float = BEAT_S) -> None:
+    """A worker started by ``spawn_workers``: write a byte into the liveness pipe every
+    ``interval`` s from a thread of its own, so that the driver notices a process that is
+    stopped (SIGSTOP, a debugger, a swapped-out host) even while no step runs. A no-op elsewhere."""
+    fd = os.environ.pop(BEAT_ENV, None)
+    if fd is None:
+        return
+
+    def beat() -> None:
+        while True:
+            try:
+                os.write(int(fd), b".")
+            except OSError:  # the driver is gone
+                return
+            time.sleep(interval)
+
+    threading.Thread(target=beat, name="fastdeploy-beat", daemon=True).start()
 
 
 def init_tensor_parallel(world_size: int, worker_argv: list[str] | None = None) -> TPGroup:
@@ -121,9 +152,9 @@ def init_tensor_parallel(world_size: int, worker_argv: list[str] | None = None) 
     (and the world size must match); otherwise the driver starts the other ranks itself."""
     if world_size == 1:
         return TPGroup()
-    workers = []
+    workers, beats = [], []
     if LAUNCH_ENV not in os.environ:
-        workers = spawn_workers(world_size, worker_argv or [])
+        workers, beats = spawn_workers(world_size, worker_argv or [])
     launched = int(os.environ[LAUNCH_ENV])
     if launched != world_size:
         raise ValueError(f"tensor_parallel_size={world_size} but the launcher started {launched} ranks")
@@ -132,4 +163,4 @@ def init_tensor_parallel(world_size: int, worker_argv: list[str] | None = None) 
     dist.init_parallel_env()
     # host arrays over gloo: on CPU the default group already is gloo (a second one only races)
     cpu = dist.new_group(list(range(world_size)), backend="gloo") if paddle.is_compiled_with_cuda() else None
-    return TPGroup(dist.get_rank(), world_size, None, cpu, workers)
+    return TPGroup(dist.get_rank(), world_size, None, cpu, workers, beats)

@@ -73,7 +73,11 @@ class LLMEngine:
             raise
         if pc.tensor_parallel_size > 1:
             self.watchdog = RankWatchdog(
-                self.tp.workers, lambda: self.runner.step_started, pc.dist_timeout, self._rank_failed
+                self.tp.workers,
+                lambda: self.runner.step_started,
+                pc.dist_timeout,
+                self._rank_failed,
+                beats=self.tp.beats,
             )
             atexit.register(self.shutdown)  # the workers end with this process
         sc = self.config.scheduler_config

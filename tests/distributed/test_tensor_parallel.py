@@ -144,7 +144,10 @@ def metrics_of(base: str) -> dict[str, float]:
 def test_server_tp2_serves_like_tp1(procs):
     results = {}
     for tp in (1, 2):
-        s = procs("--tensor-parallel-size", str(tp))
+        s = procs("--tensor-parallel-size", str(tp), "--dist-timeout", "3")
+        if tp == 2:  # idle past --dist-timeout: the worker's beats keep it from counting as stopped
+            time.sleep(4.5)
+            assert s.p.poll() is None and httpx.get(s.base + "/health").status_code == 200
         client = openai.OpenAI(base_url=s.base + "/v1", api_key="x", max_retries=0, timeout=120)
         text = client.completions.create(model="tiny-mla-swa", prompt="Hello", max_tokens=12, temperature=0)
         chunks = client.chat.completions.create(
@@ -155,17 +158,42 @@ def test_server_tp2_serves_like_tp1(procs):
     assert results[2] == results[1] and results[2][1] == 12
 
 
-@pytest.mark.parametrize("how", ["kill", "stop"])  # a rank that dies / one that stops answering
-def test_a_failed_worker_stops_the_driver(procs, how):
-    s = procs("--tensor-parallel-size", "2", "--dist-timeout", "3")
+@pytest.mark.parametrize(
+    "how, when",
+    [
+        ("kill", "step"),  # a rank that dies mid-generation
+        ("stop", "step"),  # one that stops answering inside a step
+        ("stop", "broadcast"),  # stopped, then a request: the driver waits in the step's broadcast
+        ("stop", "idle"),  # stopped between steps, no request at all: only its beats can tell
+        ("kill", "idle"),
+    ],
+)
+def test_a_failed_worker_stops_the_driver(procs, how, when):
+    """Wherever the fault lands: /health 503 and every client a 503 or an error event (never a
+    500 or a hang), then exit 1 within --dist-timeout + 10 s with no process left behind."""
+    timeout = 3
+    s = procs("--tensor-parallel-size", "2", "--dist-timeout", str(timeout))
     (worker,) = [p for p in s.group_pids() if p != s.p.pid]
-    (stream,) = s.stream_in_background(1, max_tokens=200)  # returns mid-generation
+    stream = s.stream_in_background(1, max_tokens=200)[0] if when == "step" else None  # returns mid-generation
     os.kill(worker, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     t0 = time.time()
-    assert s.p.wait(timeout=30) == 1 and time.time() - t0 < 3 + 10  # dist_timeout plus the answer grace
-    s.threads[0].join(timeout=10)
-    told = "transport_error" in stream or any("error" in e for e in stream["events"])
-    assert told, stream["events"][-3:]  # the stream was told
+    answers = []
+    if when == "broadcast":
+        body = {"prompt": "go", "max_tokens": 8}
+        answers.append(httpx.post(s.base + "/v1/completions", json=body, timeout=60).status_code)
+    if when == "idle":
+        while time.time() - t0 < timeout + 5:
+            if httpx.get(s.base + "/health", timeout=2).status_code == 503:
+                break
+            time.sleep(0.1)
+        assert time.time() - t0 < timeout + 5, "/health never said 503"
+        answers.append(httpx.post(s.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code)
+    assert s.p.wait(timeout=30) == 1 and time.time() - t0 < timeout + 10  # dist_timeout plus the answer grace
+    assert all(a == 503 for a in answers), answers
+    if stream is not None:
+        s.threads[0].join(timeout=10)
+        told = "transport_error" in stream or any("error" in e for e in stream["events"])
+        assert told, stream["events"][-3:]  # the stream was told
     deadline = time.time() + 5  # a killed process leaves the table once reaped; under load that takes a moment
     while s.group_pids() and time.time() < deadline:
         time.sleep(0.1)
