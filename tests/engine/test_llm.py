@@ -28,7 +28,7 @@ def test_generate_text_and_ids(llm):
     for o in out:
         c = o.outputs[0]
         assert len(c.token_ids) == 12 and c.finish_reason == "length" and o.finished
-        assert c.text == llm.get_tokenizer().decode(c.token_ids).rstrip("\ufffd")
+        assert c.text == llm.get_tokenizer().decode(c.token_ids)  # the whole text at the finish
     assert out[1].prompt_token_ids == [5, 6, 7]
 
 

@@ -127,3 +127,66 @@ def test_gated_gemm_writes_only_routed_rows(rng):
             continue
         g, u = x[t] @ ws[0][e].T.astype(np.float64), x[t] @ ws[1][e].T.astype(np.float64)
         np.testing.assert_allclose(got[entry], g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+
+
+def bf16(a: np.ndarray, nearest: bool = True) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even; or toward zero), back as float64."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    if nearest:
+        u = u + 0x7FFF + ((u >> 16) & 1)
+    return ((u >> 16) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("impl", [fused_moe, fused_moe_ref], ids=["triton", "ref"])
+def test_bf16_rounds_the_intermediate(impl, rng):
+    """bf16 inputs: the gated intermediate is kept in bf16 before the down projection (the output
+    and the down GEMM stay float32). Against float64 MoEs of the same bf16 inputs that do and do
+    not round it: the output matches the one that rounds to float32 accuracy and is 1e-3 away from
+    the other. Triton's interpreter converts float32 to bf16 toward zero (a GPU rounds to nearest
+    even), so the kernel's reference rounds that way."""
+    T, H, inter, E, top_k = 16, 128, 256, 4, 2
+    x, ids, wts, ws, _, _ = make(rng, T, H, inter, E, top_k, False)
+    xb, wb = bf16(x), [bf16(w) for w in ws]
+    t = paddle.to_tensor
+    args = [t(x).astype("bfloat16"), t(ids.astype(np.int64)), t(wts)] + [t(w).astype("bfloat16") for w in ws]
+    got = impl(*args).astype("float32").numpy().astype(np.float64)
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    nearest = impl is fused_moe_ref
+
+    def moe(round_h: bool) -> np.ndarray:
+        y = np.zeros((T, H))
+        for tk in range(T):
+            for e, wt in zip(ids[tk], wts[tk], strict=True):
+                if 0 <= e < E:
+                    h = silu(xb[tk] @ wb[0][e].T) * (xb[tk] @ wb[1][e].T)
+                    y[tk] += wt * ((bf16(h.astype(np.float32), nearest) if round_h else h) @ wb[2][e].T)
+        return y
+
+    rounded, exact = moe(True), moe(False)
+    scale = np.abs(rounded).max()
+    assert np.abs(rounded - exact).max() > 1e-3 * scale  # the rounding is visible at these shapes
+    # float32 and float64 may put an intermediate on either side of a bf16 rounding boundary: a
+    # few outputs move by one of its ulps, the rest agree to float32 accuracy
+    e_r, e_x = np.abs(got - rounded), np.abs(got - exact)
+    assert np.median(e_r) < 1e-6 * scale and (e_r > 1e-5 * scale).mean() < 0.05, (np.median(e_r), e_r.max())
+    assert np.median(e_x) > 30 * np.median(e_r)
+
+
+@pytest.mark.parametrize("impl", [fused_moe, fused_moe_ref], ids=["triton", "ref"])
+def test_fp8_activation_ties_round_to_even(impl, rng):
+    """FP8 weights: every activation the MoE quantizes first lies half way between two e4m3 values
+    (each 128-column block's amax is 448, so its scale is 1): they must round to the even code,
+    as the reference does; ties to odd or away from zero move whole rows."""
+    T, H, inter, E, top_k = 12, 256, 128, 4, 2
+    _, ids, wts, codes, deq, scales = make(rng, T, H, inter, E, top_k, True)
+    mids = np.array([1.0625, 1.1875, 1.3125, 1.4375, 1.5625, 1.6875, 1.8125, 1.9375])
+    x = mids[rng.integers(0, 8, (T, H))] * 2.0 ** rng.integers(-3, 4, (T, H)) * rng.choice([-1, 1], (T, H))
+    x[:, ::128] = 448.0
+    x = x.astype(np.float32)
+    assert (e4m3_round(x.astype(np.float64)) != x).mean() > 0.9  # ties, not e4m3 values
+    t = paddle.to_tensor
+    args = [t(x), t(ids.astype(np.int64)), t(wts)] + [t(w) for w in codes] + [t(s) for s in scales]
+    got = impl(*args).numpy()
+    want = numpy_moe(x, ids, wts, *deq, True)
+    err = np.linalg.norm(got - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
+    assert np.median(err) < 1e-5 and err.max() < 3e-2, err
