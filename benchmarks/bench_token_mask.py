@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import torch
+from bench_sampler import copy_gbs, timed  # CUDA-event timing and the copy ceiling, as there
 
 from fastdeploy.model_executor.ops.triton_ops.token_mask_kernel import launch_apply_token_bitmask
 
@@ -33,29 +34,6 @@ def unpack_bitmask(words: np.ndarray, vocab: int) -> np.ndarray:
     the GPU host)."""
     as_bytes = words.view(np.uint8).reshape(len(words), -1)
     return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab].astype(bool)
-
-
-def timed(fn, iters=50) -> float:
-    """Median ms of fn over iters, CUDA events around each call (host work inside fn counts)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return float(np.median(out))
-
-
-def copy_gbs() -> float:
-    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = timed(lambda: y.copy_(x), 20)
-    return 2 * x.numel() / ms / 1e6
 
 
 def case(B: int, rows: int, rng) -> dict:

@@ -99,18 +99,22 @@ def test_server_chat_carries_reasoning_content(base):
     wait_idle(base)
 
 
+def think_end(base: str) -> int:
+    """The id of the one token that spells </think> (the server's tokenizer)."""
+    (end,) = httpx.post(base + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    return end
+
+
+def one_key(key: str, spec: dict) -> dict:
+    return {"type": "object", "properties": {key: spec}, "required": [key], "additionalProperties": False}
+
+
 def test_json_schema_applies_after_the_reasoning(base):
     """With the parser on, a response_format constrains only the content: the reasoning before
     </think> is free, the content validates, streamed equal to non-streamed. </think> is nudged
     by logit_bias so the random model writes it after a few free tokens."""
-    end = httpx.post(base + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
-    assert len(end) == 1
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}},
-        "required": ["a"],
-        "additionalProperties": False,
-    }
+    end = think_end(base)
+    schema = one_key("a", {"type": "integer"})
     rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     free = 0
     for seed in range(6):
@@ -119,7 +123,7 @@ def test_json_schema_applies_after_the_reasoning(base):
             "max_tokens": 40,
             "seed": seed,
             "response_format": rf,
-            "logit_bias": {str(end[0]): 5.0},
+            "logit_bias": {str(end): 5.0},
         }
         msg = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
         if msg["finish_reason"] == "stop":
@@ -141,13 +145,8 @@ def test_forced_tool_choice_applies_after_the_reasoning(base):
     """A named tool_choice with the parser on: the call grammar starts after </think>; every
     answer that finishes is exactly one call of the named tool with schema-valid arguments, and
     its reasoning is kept apart."""
-    end = httpx.post(base + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
-    params = {
-        "type": "object",
-        "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}},
-        "required": ["hour"],
-        "additionalProperties": False,
-    }
+    end = think_end(base)
+    params = one_key("hour", {"type": "integer", "minimum": 0, "maximum": 23})
     tool = {"type": "function", "function": {"name": "set_alarm", "parameters": params}}
     finished = 0
     for seed in range(6):
@@ -157,7 +156,7 @@ def test_forced_tool_choice_applies_after_the_reasoning(base):
             "seed": seed,
             "tools": [tool],
             "tool_choice": {"type": "function", "function": {"name": "set_alarm"}},
-            "logit_bias": {str(end[0]): 3.0},
+            "logit_bias": {str(end): 3.0},
         }
         c = httpx.post(base + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
         if c["finish_reason"] == "length":

@@ -142,21 +142,19 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     return u.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
-def forward(
+def decoder_layer(
+    x: np.ndarray,
     w: dict,
     cfg: dict,
-    ids: list[int],
-    windows: list[int | None] | None = None,
-    fp8_kv: bool = False,
-    kv_formats: list[str | None] | None = None,
+    layer: int,
+    window: int | None = None,
+    kv_format: str | None = None,
     act_fp8: bool = False,
 ) -> np.ndarray:
-    """Logits float64 [T, vocab] for one sequence; windows[l] = W of layer l (None: full).
-    ``fp8_kv``: windowed layers see their kv_c / k_pe as the FP8 record stores them.
-    ``kv_formats[l]`` ("fp8", "bf16" or None) says how layer l's cache stores them, for any layer.
-    ``act_fp8``: the inputs of the projections a model with FP8 weights runs as W8A8 GEMMs are
-    quantized first (all but kv_b_proj, whose W_UK / W_UV the attention applies in float)."""
-    T = len(ids)
+    """One decoder layer (``model.layers.{layer}.*``) over a whole sequence x float64 [T, hidden]
+    at positions 0..T-1: MLA attention (window W or full; ``kv_format`` "fp8" / "bf16" rounds the
+    cached kv_c / k_pe as the cache stores them), then its dense MLP or MoE."""
+    T = x.shape[0]
     H, nope, rope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     eps = cfg["rms_norm_eps"]
     rs = cfg.get("rope_scaling")
@@ -165,41 +163,60 @@ def forward(
         m = 0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1
         scale *= m * m
     ang, mult = rope_angles(np.arange(T), rope, cfg["rope_theta"], rs)
-    x = w["model.embed_tokens.weight"][ids]
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    h = rms(x, w[p + "input_layernorm.weight"], eps)
+    if cfg.get("q_lora_rank"):
+        q = rms(proj(h, w, a + "q_a_proj.weight", act_fp8), w[a + "q_a_layernorm.weight"], eps)
+        q = proj(q, w, a + "q_b_proj.weight", act_fp8)
+    else:
+        q = proj(h, w, a + "q_proj.weight", act_fp8)
+    q = q.reshape(T, H, nope + rope)
+    kv_a = proj(h, w, a + "kv_a_proj_with_mqa.weight", act_fp8)
+    kv_c = rms(kv_a[:, :512], w[a + "kv_a_layernorm.weight"], eps)
+    k_pe = rotate_pairs(kv_a[:, 512:], ang, mult)
+    q_pe = rotate_pairs(q[:, :, nope:], ang, mult)
+    if kv_format == "fp8":
+        kv_c, k_pe = fp8_record_roundtrip(kv_c, k_pe)
+    elif kv_format == "bf16":
+        kv_c, k_pe = bf16_round(kv_c), bf16_round(k_pe)
+    kv = (kv_c @ w[a + "kv_b_proj.weight"].T).reshape(T, H, nope + v)
+    k = np.concatenate([kv[:, :, :nope], np.broadcast_to(k_pe[:, None], (T, H, rope))], -1)
+    qq = np.concatenate([q[:, :, :nope], q_pe], -1)
+    s = np.einsum("thd,shd->hts", qq, k) * scale
+    mask = (j <= i) & ((j > i - window) if window else True)
+    s = np.where(mask[None], s, -np.inf)
+    pr = np.exp(s - s.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    o = np.einsum("hts,shv->thv", pr, kv[:, :, nope:]).reshape(T, H * v)
+    x = x + proj(o, w, a + "o_proj.weight", act_fp8)
+    h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
+    if cfg.get("n_routed_experts") and layer >= cfg["first_k_dense_replace"]:
+        return x + moe(h, w, p + "mlp.", cfg, act_fp8)
+    return x + mlp(h, w, p + "mlp.", act_fp8)
+
+
+def forward(
+    w: dict,
+    cfg: dict,
+    ids: list[int],
+    windows: list[int | None] | None = None,
+    fp8_kv: bool = False,
+    kv_formats: list[str | None] | None = None,
+    act_fp8: bool = False,
+    hidden: bool = False,
+) -> np.ndarray:
+    """Logits float64 [T, vocab] for one sequence (``hidden``: the final-normed hidden states
+    [T, hidden_size] instead); windows[l] = W of layer l (None: full).
+    ``fp8_kv``: windowed layers see their kv_c / k_pe as the FP8 record stores them.
+    ``kv_formats[l]`` ("fp8", "bf16" or None) says how layer l's cache stores them, for any layer.
+    ``act_fp8``: the inputs of the projections a model with FP8 weights runs as W8A8 GEMMs are
+    quantized first (all but kv_b_proj, whose W_UK / W_UV the attention applies in float)."""
+    x = w["model.embed_tokens.weight"][ids]
     for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        a = p + "self_attn."
-        h = rms(x, w[p + "input_layernorm.weight"], eps)
-        if cfg.get("q_lora_rank"):
-            q = rms(proj(h, w, a + "q_a_proj.weight", act_fp8), w[a + "q_a_layernorm.weight"], eps)
-            q = proj(q, w, a + "q_b_proj.weight", act_fp8)
-        else:
-            q = proj(h, w, a + "q_proj.weight", act_fp8)
-        q = q.reshape(T, H, nope + rope)
-        kv_a = proj(h, w, a + "kv_a_proj_with_mqa.weight", act_fp8)
-        kv_c = rms(kv_a[:, :512], w[a + "kv_a_layernorm.weight"], eps)
-        k_pe = rotate_pairs(kv_a[:, 512:], ang, mult)
-        q_pe = rotate_pairs(q[:, :, nope:], ang, mult)
         W = windows[layer] if windows else None
         fmt = kv_formats[layer] if kv_formats else ("fp8" if fp8_kv and W else None)
-        if fmt == "fp8":
-            kv_c, k_pe = fp8_record_roundtrip(kv_c, k_pe)
-        elif fmt == "bf16":
-            kv_c, k_pe = bf16_round(kv_c), bf16_round(k_pe)
-        kv = (kv_c @ w[a + "kv_b_proj.weight"].T).reshape(T, H, nope + v)
-        k = np.concatenate([kv[:, :, :nope], np.broadcast_to(k_pe[:, None], (T, H, rope))], -1)
-        qq = np.concatenate([q[:, :, :nope], q_pe], -1)
-        s = np.einsum("thd,shd->hts", qq, k) * scale
-        mask = (j <= i) & ((j > i - W) if W else True)
-        s = np.where(mask[None], s, -np.inf)
-        pr = np.exp(s - s.max(-1, keepdims=True))
-        pr /= pr.sum(-1, keepdims=True)
-        o = np.einsum("hts,shv->thv", pr, kv[:, :, nope:]).reshape(T, H * v)
-        x = x + proj(o, w, a + "o_proj.weight", act_fp8)
-        h = rms(x, w[p + "post_attention_layernorm.weight"], eps)
-        if cfg.get("n_routed_experts") and layer >= cfg["first_k_dense_replace"]:
-            x = x + moe(h, w, p + "mlp.", cfg, act_fp8)
-        else:
-            x = x + mlp(h, w, p + "mlp.", act_fp8)
-    return rms(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
+        x = decoder_layer(x, w, cfg, layer, W, fmt, act_fp8)
+    x = rms(x, w["model.norm.weight"], cfg["rms_norm_eps"])
+    return x if hidden else x @ w["lm_head.weight"].T
