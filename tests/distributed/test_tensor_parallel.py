@@ -30,8 +30,8 @@ from fastdeploy import LLM, SamplingParams
 a = json.loads(sys.argv[1])
 llm = LLM(tensor_parallel_size=a["tp"], **a["engine"])
 outs = [o for ps in a["batches"] for o in llm.generate(ps, SamplingParams(**a["sampling"]))]
-rows = [[c.token_ids, [{str(k): v for k, v in lp.items()} for lp in c.logprobs], o.num_cached_tokens]
-        for o in outs for c in o.outputs]
+lps = lambda es: [None if e is None else {str(k): v for k, v in e.items()} for e in es or []]
+rows = [[c.token_ids, lps(c.logprobs), o.num_cached_tokens, lps(o.prompt_logprobs)] for o in outs for c in o.outputs]
 print("RESULT " + json.dumps(rows))
 """
 
@@ -57,7 +57,7 @@ def assert_same(a, b) -> list[float]:
     """Identical tokens; the relative error of each step's top logprobs (the ones both report):
     median within TYPICAL, every one within WORST. Returns the errors."""
     errs = []
-    for (ta, lpa, _), (tb, lpb, _) in zip(a, b, strict=True):
+    for (ta, lpa, *_), (tb, lpb, *_) in zip(a, b, strict=True):
         assert ta == tb
         for la, lb in zip(lpa, lpb, strict=True):
             shared = sorted(set(la) & set(lb))
@@ -84,6 +84,20 @@ def test_tp_equals_tp1(tp, steps, rng):
     errs = assert_same(want, got)
     stats = f"median {np.median(errs):.1e}, p90 {np.quantile(errs, 0.9):.1e}, max {max(errs):.1e}"
     print(f"TP {tp} vs 1: {len(errs)} steps, {stats}")
+
+
+def test_prompt_logprobs_at_tp2_equal_tp1(rng):
+    """Prompt logprobs need the LM head on every rank (it gathers the vocabulary shards): TP 2
+    gives TP 1's, chunk by chunk, first entry None."""
+    ps = [{"prompt_token_ids": [int(x) for x in rng.integers(2, 500, n)]} for n in (70, 9)]
+    sp = dict(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    want, got = (run(tp, [ps], sp, max_num_batched_tokens=32) for tp in (1, 2))
+    for (ta, _, _, pa), (tb, _, _, pb), p in zip(want, got, ps, strict=True):
+        ids = p["prompt_token_ids"]
+        assert ta == tb and len(pa) == len(pb) == len(ids) and pa[0] is None and pb[0] is None
+        a = np.array([pa[i][str(ids[i])] for i in range(1, len(ids))])
+        b = np.array([pb[i][str(ids[i])] for i in range(1, len(ids))])
+        assert np.abs(a - b).max() <= WORST * np.abs(a).max()
 
 
 def test_each_rank_reads_only_its_slices(tiny_model_dir):
