@@ -298,6 +298,6 @@ class LLMEngine:
             reason = "length"
         if reason:
             if not cut:  # the whole text, a trailing partial character included (as "\ufffd")
-                req.output_text = self.tokenizer.decode(req.output_token_ids)
+                req.output_text = detok.whole
             req.finish_reason = reason
             self.scheduler.finish(req)

@@ -39,6 +39,7 @@ class Tokenizer:
         self.config = json.load(open(cfg_path, encoding="utf-8")) if os.path.isfile(cfg_path) else {}
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
+        self.pad_token = _token_text(self.config.get("pad_token"))
         self.bos_token_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None
@@ -104,10 +105,11 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.text = ""
+        self.whole = ""  # the last update's whole decode, a trailing partial character included
 
     def update(self, ids: list[int]) -> str:
         """Full text so far (stable prefix); returns the newly stable part."""
-        text = self.tokenizer.decode(ids)
+        text = self.whole = self.tokenizer.decode(ids)
         if text.endswith("\ufffd"):
             text = text.rstrip("\ufffd")
         new = text[len(self.text) :] if text.startswith(self.text) else ""

@@ -35,6 +35,13 @@ CPU_KV_CACHE_BYTES = 512 * 2**20  # default KV pool on CPU (override: FD_CPU_KV_
 PROMPT_LOGPROB_ROWS = 256  # prompt-logprob rows whose float32 [rows, vocab] logits exist at once
 
 
+def prompt_logprob_span(req: Request, n: int) -> range:
+    """The positions p of the request's next n tokens whose logits give a prompt token's logprob
+    (that of token p + 1): every position of the chunk before the prompt's last."""
+    start = req.num_computed_tokens
+    return range(start, min(start + n, req.num_prompt_tokens - 1))
+
+
 def on_gpu() -> bool:
     return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
 
@@ -168,12 +175,11 @@ class GPUModelRunner:
                 rows.append(req.block_tables[g])
         samples_at = [i for i, (req, n) in enumerate(scheduled) if req.num_computed_tokens + n == req.num_tokens]
         lp_rows, lp_targets, lp_k, row = [], [], 0, 0
-        for req, n in scheduled:  # a token at prompt position p < P - 1 gives prompt token p + 1's logprob
+        for req, n in scheduled:
             if req.prompt_logprobs is not None:
-                start, prompt = req.num_computed_tokens, req.prompt_token_ids
-                span = range(start, min(start + n, len(prompt) - 1))
-                lp_rows += [row + p - start for p in span]
-                lp_targets += [prompt[p + 1] for p in span]
+                span = prompt_logprob_span(req, n)
+                lp_rows += [row + p - req.num_computed_tokens for p in span]
+                lp_targets += [req.prompt_token_ids[p + 1] for p in span]
                 lp_k = max(lp_k, req.sampling_params.prompt_logprobs)
             row += n
         if not any(enc):  # a pure-decode step runs as its bucket: padding rows of one token at
@@ -210,14 +216,17 @@ class GPUModelRunner:
 
     def prompt_logprobs(
         self, hidden: paddle.Tensor, rows: list[int], targets: list[int], k: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
         """Raw (unprocessed) log-softmax of the logits at hidden[rows], read at ``targets``: the
         targets' logprobs float32 [R], their ranks int64 [R] (1 + tokens with a larger logit), and
         the k most likely tokens' ids int64 [R, k] and logprobs float32 [R, k]. Logits of
-        PROMPT_LOGPROB_ROWS rows at a time (a whole prompt's would be [P, vocab])."""
+        PROMPT_LOGPROB_ROWS rows at a time (a whole prompt's would be [P, vocab]). Other ranks run
+        only the LM head, whose vocabulary gather needs them, and return None."""
         parts = []
         for s in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             logits = self.model.compute_logits(hidden, paddle.to_tensor(rows[s : s + PROMPT_LOGPROB_ROWS]))
+            if not self.tp.is_driver:
+                continue
             lse = paddle.logsumexp(logits, axis=1, keepdim=True)
             tgt = paddle.to_tensor(targets[s : s + PROMPT_LOGPROB_ROWS], dtype="int64").unsqueeze(1)
             at = paddle.take_along_axis(logits, tgt, axis=1)
@@ -228,7 +237,7 @@ class GPUModelRunner:
             else:
                 top, ids = np.zeros((len(at), 0), np.float32), np.zeros((len(at), 0), np.int64)
             parts.append(((at - lse).squeeze(1).numpy(), rank.numpy(), ids, top))
-        return tuple(np.concatenate(x) for x in zip(*parts, strict=True))
+        return tuple(np.concatenate(x) for x in zip(*parts, strict=True)) if parts else None
 
     def execute(self, scheduled: list[tuple[Request, int]]) -> list[SampleResult | Exception | None]:
         """Run one step (the driver; other ranks get its inputs by broadcast); a sample for each
@@ -272,11 +281,11 @@ class GPUModelRunner:
         for req, n in scheduled:
             if req.prompt_logprobs is None:
                 continue
-            start, k = req.num_computed_tokens, req.sampling_params.prompt_logprobs
-            for p in range(start + 1, min(start + n, req.num_prompt_tokens - 1) + 1):
+            k = req.sampling_params.prompt_logprobs
+            for p in prompt_logprob_span(req, n):  # the entry of prompt token p + 1
                 entry = {int(t): float(v) for t, v in zip(ids[r, :k], top[r, :k], strict=True)}
-                entry[req.prompt_token_ids[p]] = float(lp[r])
-                req.prompt_logprobs[p], req.prompt_ranks[p] = entry, int(rank[r])
+                entry[req.prompt_token_ids[p + 1]] = float(lp[r])
+                req.prompt_logprobs[p + 1], req.prompt_ranks[p + 1] = entry, int(rank[r])
                 r += 1
 
     def serve_steps(self) -> None:

@@ -154,3 +154,6 @@ def test_tokenize_detokenize_and_tokenizer_info(server, offline):
         server + "/tokenize", content=b'{"prompt": "a\\ud800"}', headers={"content-type": "application/json"}
     )
     assert lone.status_code == 400 and lone.json()["error"]["param"] == "prompt"
+    lone_model = b'{"tokens": [1], "model": "x\\udc00"}'
+    lone = httpx.post(server + "/detokenize", content=lone_model, headers={"content-type": "application/json"})
+    assert lone.status_code == 400 and lone.json()["error"]["param"] == "model"

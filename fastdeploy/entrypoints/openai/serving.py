@@ -87,12 +87,16 @@ class OpenAIServer:
 
     # ------------------------------------------------------------ requests -> engine (off the event loop)
 
-    def _check_common(self, body) -> None:
+    def _check_body(self, body) -> None:
+        """What every body is checked for first: Unicode that UTF-8 can encode, then the model."""
         bad_text = bad_unicode(body.model_dump())
         if bad_text:
             raise APIError(400, f"{bad_text}: invalid Unicode (a lone surrogate cannot be encoded)", bad_text)
         if body.model is not None and body.model != self.name:
             raise APIError(404, f"The model `{body.model}` does not exist.", "model", code="model_not_found")
+
+    def _check_common(self, body) -> None:
+        self._check_body(body)
         for f in ("functions", "function_call"):
             if getattr(body, f) is not None:
                 raise APIError(400, f"{f}: deprecated by OpenAI; use tools and tool_choice", f)
@@ -437,11 +441,7 @@ class OpenAIServer:
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
-        bad = bad_unicode(body.model_dump())
-        if bad:
-            raise APIError(400, f"{bad}: invalid Unicode (a lone surrogate cannot be encoded)", bad)
-        if body.model is not None and body.model != self.name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", "model", code="model_not_found")
+        self._check_body(body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
@@ -458,8 +458,7 @@ class OpenAIServer:
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
         """vLLM's /detokenize: token ids to text (special tokens kept)."""
-        if body.model is not None and body.model != self.name:
-            raise APIError(404, f"The model `{body.model}` does not exist.", "model", code="model_not_found")
+        self._check_body(body)
         vocab = self.tokenizer.vocab_size
         for i, t in enumerate(body.tokens):
             if not 0 <= t < vocab:
@@ -474,7 +473,7 @@ class OpenAIServer:
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": tok.bos_token,
             "eos_token": tok.eos_token,
-            "pad_token": tok.config.get("pad_token") if isinstance(tok.config.get("pad_token"), str) else None,
+            "pad_token": tok.pad_token,
             "add_bos_token": tok.add_bos,
             "chat_template": tok.config.get("chat_template"),
             "model_max_length": self.max_model_len,
