@@ -62,6 +62,9 @@ class ModelConfig:
     # (checkpoint_quant); how the model keeps them (quantization, resolved by EngineArgs).
     checkpoint_quant: str | None = None
     quantization: str = "none"
+    # MTP layers the engine runs as its draft model (0 without speculation; set by FDConfig from
+    # its SpeculativeConfig): their ids follow the decoder layers' (docs/design.md §4.16)
+    mtp_layers: int = 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ModelConfig:
@@ -82,6 +85,7 @@ class ModelConfig:
             "model_dir",
             "checkpoint_quant",
             "quantization",
+            "mtp_layers",
         }
         cfg = cls(**{k: v for k, v in raw.items() if k in names})
         cfg.checkpoint_quant = _checkpoint_quant(raw.get("quantization_config"))
@@ -96,9 +100,10 @@ class ModelConfig:
 
     @property
     def kv_cache_groups(self) -> dict[str, list[int]]:
-        """Layer ids of each KV cache group that the model has (``full``, ``swa``), main layers only."""
+        """Layer ids of each KV cache group that the model has (``full``, ``swa``): the decoder
+        layers, then the MTP layers the engine runs (``mtp_layers``)."""
         groups: dict[str, list[int]] = {}
-        for i in range(self.num_hidden_layers):
+        for i in range(self.num_hidden_layers + self.mtp_layers):
             groups.setdefault(SWA_GROUP if self.is_swa_layer(i) else FULL_GROUP, []).append(i)
         return groups
 
@@ -233,9 +238,9 @@ def _resolve_swa(cfg: ModelConfig, raw: dict[str, Any]) -> None:
             raise ValueError(f"config keys {ka!r}={raw[ka]!r} and {kb!r}={raw[kb]!r} disagree on the SWA layers")
         sources.sort(key=lambda s: -len(s[1]))
     if sources:
-        flags = sources[0][1]
+        flags = sources[0][1] + [0] * (n + n_mtp - len(sources[0][1]))  # MTP layers not listed: full
     else:
-        flags = [1 if window is not None else 0] * n  # Megatron: a window alone makes every layer SWA
+        flags = [1 if window is not None else 0] * (n + n_mtp)  # Megatron: a window alone makes every layer SWA
 
     if any(flags) and window is None:
         key = sources[0][0] if sources else "sliding_window"
@@ -311,6 +316,58 @@ class SchedulerConfig:
         return next((b for b in self.cuda_graph_batch_sizes if b >= n), n)
 
 
+SPEC_METHODS = ("mtp", "deepseek_mtp")  # FastDeploy's name, vLLM's
+
+
+@dataclass
+class SpeculativeConfig:
+    """``--speculative-config`` (docs/design.md §4.16): ``method`` "mtp" drafts with the
+    checkpoint's multi-token-prediction module, ``num_speculative_tokens`` (k) tokens a step, by
+    running it on its own drafts; None: no speculation."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            return
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method {self.method!r} is not one of {list(SPEC_METHODS)}")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}"
+            )
+
+    @property
+    def k(self) -> int:
+        """Drafts a step (0 without speculation)."""
+        return self.num_speculative_tokens if self.method else 0
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> SpeculativeConfig:
+        """The flag's JSON object (or a dict): ``{"method": "mtp", "num_speculative_tokens": k}``."""
+        if text is None or text == "":
+            return cls()
+        raw = text
+        if isinstance(text, str):
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config: must be a JSON object, got {raw!r}")
+        unknown = sorted(set(raw) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (method, num_speculative_tokens)")
+        if "method" not in raw:
+            raise ValueError("speculative_config: 'method' is required (\"mtp\")")
+        return cls(raw["method"], raw.get("num_speculative_tokens", 1))
+
+
+MAX_SPECULATIVE_TOKENS = 8
+
+
 @dataclass
 class ParallelConfig:
     """``tensor_parallel_size`` ranks split the model (docs/design.md §4.9); a rank that stops
@@ -363,9 +420,17 @@ class FDConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         sc, mc = self.scheduler_config, self.model_config
+        if self.speculative_config.k:
+            if mc.num_nextn_predict_layers < 1:
+                raise ValueError(
+                    "speculative_config: method 'mtp' drafts with the checkpoint's MTP module, but its config.json "
+                    "has num_nextn_predict_layers=0 (no MTP layer)"
+                )
+            mc.mtp_layers = 1  # DeepSeek-V3 ships one; k > 1 runs it on its own drafts
         n = self.parallel_config.tensor_parallel_size
         splits = {  # what tensor parallelism splits (docs/design.md §4.9)
             "num_attention_heads": mc.num_attention_heads,

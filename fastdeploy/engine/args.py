@@ -24,6 +24,7 @@ from fastdeploy.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     resolve_quantization,
 )
 from fastdeploy.model_executor.kernel_select import KERNEL_BACKENDS, select_kernels
@@ -91,6 +92,12 @@ class EngineArgs:
         "latent, as decodes), auto: per request by a cost model measured on the H200",
         MLA_PREFILL_FORMS,
     )
+    speculative_config: str | None = setting(
+        None,
+        'speculative decoding, a JSON object: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens a '
+        "step with the checkpoint's MTP module and verifies them in one target step (greedy and sampled output "
+        "unchanged); None: off",
+    )
 
     def create_config(self) -> FDConfig:
         """Every config, built by keyword; a ValueError names the bad setting."""
@@ -121,6 +128,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size, dist_timeout=self.dist_timeout
             ),
             kernel_config=kernels,
+            speculative_config=SpeculativeConfig.parse(self.speculative_config),
         )
 
     @classmethod

@@ -4,7 +4,8 @@ DeepSeek-V3 names map one to one onto the model's parameter names. FP8 e4m3 weig
 ``<name>_scale_inv`` tensor (one float32 per 128 x 128 block) are de-quantized at load, unless
 the model keeps that weight FP8 (a uint8 parameter with its own ``<name>_scale_inv``, see
 ``layers/linear.py``): then codes and scales are copied as stored.
-Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are skipped. Under
+The target model skips the multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``);
+the draft model (``models/deepseek_mtp.py``) loads them and nothing else. Under
 tensor parallelism each rank reads only its slice of each tensor (a parameter's ``tp_shard``),
 and skips the routed experts other ranks hold; an FP8 tensor is cut at its 128-blocks.
 """
@@ -100,10 +101,13 @@ def load_fp8_kept(target: _Target, scale: _Target, k: str, codes: np.ndarray, dt
     scale.set(np.ascontiguousarray(scales, np.float32))
 
 
-def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int, show_progress: bool = True) -> int:
+def load_weights(
+    model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int | None, show_progress: bool = True
+) -> int:
     """Copy every checkpoint tensor (this rank's slice of it) into its parameter (of the same name,
-    or a slice of a stacked one: ``model.checkpoint_target``); errors name the tensor (and the
-    rank). Returns the bytes read from the checkpoint."""
+    or a slice of a stacked one: ``model.checkpoint_target``, None for a tensor another model or
+    rank loads); errors name the tensor (and the rank). Tensors of layers >= ``num_hidden_layers``
+    are skipped (None: none). Returns the bytes read from the checkpoint."""
     params = dict(model.named_parameters())
     where = getattr(model, "checkpoint_target", lambda name: (name, None))
     rank = getattr(getattr(model, "tp", None), "rank", 0)
@@ -118,7 +122,7 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
     stacked: set[str] = set()
     for k in sources:
         m = mtp.match(k)
-        if k.endswith("_scale_inv") or (m and int(m.group(1)) >= num_hidden_layers):
+        if k.endswith("_scale_inv") or (m and num_hidden_layers is not None and int(m.group(1)) >= num_hidden_layers):
             continue
         t = where(k)
         if t is None:  # another rank's expert
@@ -133,8 +137,9 @@ def load_weights(model: paddle.nn.Layer, model_dir: str, num_hidden_layers: int,
     missing = sorted(set(params) - set(filled) - kept_scales)
     partial = sorted(n for n in stacked if filled[n] != params[n].shape[0])
     if missing or partial:
+        name = getattr(model, "checkpoint_name", lambda p: p)
         first = (
-            missing[0]
+            name(missing[0])
             if missing
             else f"{partial[0]} (only {filled[partial[0]]} of its {params[partial[0]].shape[0]} experts)"
         )

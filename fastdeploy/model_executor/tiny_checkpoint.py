@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -17,6 +18,11 @@ from fastdeploy.model_executor.ops.fp8_numerics import quantize_fp8_blocks
 from fastdeploy.model_executor.safetensors_io import save_file
 
 TINY_PRESET = "tiny-mla-swa"
+# With an MTP layer, the residual branches (o_proj, down_proj) of the layers above the first are
+# scaled by this: the random model's greedy path is otherwise chaotic (each of its 4 layers
+# changes the arg-max: 4 / 6 / 16 / 36 / 100 % agreement after layers 0..4), and no one-layer
+# draft follows it (a least-squares draft reached 5 % held-out acceptance). docs/design.md §4.16.
+MTP_UPPER_BRANCH_SCALE = 0.15
 PRESET_VERSION = 3
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -74,11 +80,17 @@ _CORPUS = [
 
 
 def tiny_config(
-    num_layers: int = 4, sliding_window: int = 32, swa_layers: list[int] | None = None, first_k_dense: int = 1
+    num_layers: int = 4,
+    sliding_window: int = 32,
+    swa_layers: list[int] | None = None,
+    first_k_dense: int = 1,
+    mtp: bool = False,
 ) -> dict:
-    """The tiny checkpoint's config.json. Default SWA layers: the even ones (both kinds present)."""
+    """The tiny checkpoint's config.json. Default SWA layers: the even ones (both kinds present),
+    the MTP layer (id ``num_layers``, with ``mtp``) included."""
+    n = num_layers + int(mtp)
     if swa_layers is None:
-        swa_layers = [i for i in range(num_layers) if i % 2 == 0]
+        swa_layers = [i for i in range(n) if i % 2 == 0]
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -123,7 +135,8 @@ def tiny_config(
         "hidden_act": "silu",
         "torch_dtype": "bfloat16",
         "sliding_window": sliding_window,
-        "window_attn_skip_freq": [1 if i in swa_layers else 0 for i in range(num_layers)],
+        "num_nextn_predict_layers": int(mtp),
+        "window_attn_skip_freq": [1 if i in swa_layers else 0 for i in range(n)],
     }
 
 
@@ -141,7 +154,12 @@ def tiny_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         out[name] = (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     out["model.embed_tokens.weight"] = rng.standard_normal((cfg["vocab_size"], h)).astype(np.float32)
-    for i in range(cfg["num_hidden_layers"]):
+    n_main = cfg["num_hidden_layers"]
+    for i in [*range(n_main), "norm", *range(n_main, n_main + cfg.get("num_nextn_predict_layers", 0))]:
+        if i == "norm":  # the target's head before the MTP layer: the same target with or without it
+            norm("model.norm.weight", h)
+            lin("lm_head.weight", cfg["vocab_size"], h)
+            continue
         p = f"model.layers.{i}."
         norm(p + "input_layernorm.weight", h)
         norm(p + "post_attention_layernorm.weight", h)
@@ -167,8 +185,19 @@ def tiny_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
             for e in range(cfg["n_routed_experts"]):
                 _mlp(lin, f"{m}experts.{e}.", h, cfg["moe_intermediate_size"])
             _mlp(lin, m + "shared_experts.", h, cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
-    norm("model.norm.weight", h)
-    lin("lm_head.weight", cfg["vocab_size"], h)
+        if i >= n_main:  # an MTP layer (deepseek_mtp.py)
+            norm(p + "enorm.weight", h)
+            norm(p + "hnorm.weight", h)
+            lin(p + "eh_proj.weight", h, 2 * h)
+            norm(p + "shared_head.norm.weight", h)
+    if cfg.get("num_nextn_predict_layers"):  # a target a one-layer draft can follow (tools/mtp_fit.py)
+        for k in out:
+            m = re.match(r"model\.layers\.(\d+)\.", k)
+            if m and 0 < int(m.group(1)) < n_main and k.endswith(("o_proj.weight", "down_proj.weight")):
+                out[k] *= MTP_UPPER_BRANCH_SCALE
+    for i in range(n_main, n_main + cfg.get("num_nextn_predict_layers", 0)):  # DeepSeek-V3 repeats the shared ones
+        out[f"model.layers.{i}.embed_tokens.weight"] = out["model.embed_tokens.weight"]
+        out[f"model.layers.{i}.shared_head.head.weight"] = out["lm_head.weight"]
     return out
 
 
@@ -226,10 +255,12 @@ def make_tiny_model(
     swa_layers: list[int] | None = None,
     first_k_dense: int = 1,
     fp8: bool = False,
+    mtp: bool = False,
 ) -> str:
     """Write the checkpoint into ``out_dir`` (created); returns ``out_dir``. ``fp8``: DeepSeek-V3's
-    FP8 format (projections as e4m3 codes with 128 x 128 block scales, ``quantization_config``)."""
-    cfg = tiny_config(num_layers, sliding_window, swa_layers, first_k_dense)
+    FP8 format (projections as e4m3 codes with 128 x 128 block scales, ``quantization_config``).
+    ``mtp``: with one random MTP layer (``tools/mtp_fit.py`` fits it to the model)."""
+    cfg = tiny_config(num_layers, sliding_window, swa_layers, first_k_dense, mtp)
     if fp8:
         cfg["quantization_config"] = dict(FP8_CONFIG)
     os.makedirs(out_dir, exist_ok=True)

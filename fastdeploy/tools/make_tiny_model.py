@@ -1,9 +1,11 @@
 """Write a small random DeepSeek-V3 MLA_SWA checkpoint (config, safetensors, BPE tokenizer).
 
     python -m fastdeploy.tools.make_tiny_model OUT_DIR [--seed N] [--num-layers L]
-        [--sliding-window W] [--swa-layers IDS] [--first-k-dense-replace K] [--fp8]
+        [--sliding-window W] [--swa-layers IDS] [--first-k-dense-replace K] [--fp8] [--mtp]
 
-IDS is a comma list of SWA layer ids, ``all`` or ``none``. Same arguments, same bytes. The
+IDS is a comma list of SWA layer ids, ``all`` or ``none`` (with ``--mtp``, id L is the MTP
+layer's). ``--mtp`` adds DeepSeek-V3's multi-token-prediction layer and fits it to the model
+(``tools/mtp_fit.py``; the acceptance it reached goes to ``mtp_fit.json``). Same arguments, same bytes. The
 writer itself is ``fastdeploy.model_executor.tiny_checkpoint`` (the engine builds the
 ``tiny-mla-swa`` preset with it); this module is its command line.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model
+from fastdeploy.tools.mtp_fit import fit_mtp
 
 __all__ = ["make_tiny_model", "parse_swa_layers", "main"]
 
@@ -41,23 +44,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--sliding-window", type=int, default=32)
-    ap.add_argument("--first-k-dense-replace", type=int, default=1, help="leading dense-MLP layers (rest MoE)")
+    ap.add_argument(
+        "--first-k-dense-replace",
+        type=int,
+        default=None,
+        help="leading dense-MLP layers (rest MoE); default 1, 0 with --mtp",
+    )
     ap.add_argument("--swa-layers", default=None, help="comma list of SWA layer ids, 'all' or 'none' (default: even)")
     ap.add_argument(
         "--fp8", action="store_true", help="DeepSeek-V3's FP8 format: e4m3 projections, 128x128 block scales"
     )
+    ap.add_argument("--mtp", action="store_true", help="add an MTP layer (the draft model) fitted to the model")
     args = ap.parse_args(argv)
     if args.num_layers < 1:
         ap.error("--num-layers must be >= 1")
     if args.sliding_window < 1:
         ap.error("--sliding-window must be >= 1")
     try:
-        swa = None if args.swa_layers is None else parse_swa_layers(args.swa_layers, args.num_layers)
+        swa = None if args.swa_layers is None else parse_swa_layers(args.swa_layers, args.num_layers + args.mtp)
     except ValueError as e:
         ap.error(str(e))
-    make_tiny_model(
-        args.out_dir, args.seed, args.num_layers, args.sliding_window, swa, args.first_k_dense_replace, args.fp8
-    )
+    dense = args.first_k_dense_replace if args.first_k_dense_replace is not None else int(not args.mtp)
+    make_tiny_model(args.out_dir, args.seed, args.num_layers, args.sliding_window, swa, dense, args.fp8, args.mtp)
+    if args.mtp:
+        fit = fit_mtp(args.out_dir, args.seed)
+        print(f"MTP layer fitted: first-draft acceptance {fit['acceptance_held_out']:.3f} on held-out continuations")
     print(f"wrote {args.out_dir}")
 
 

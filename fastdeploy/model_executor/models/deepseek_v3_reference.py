@@ -220,3 +220,27 @@ def forward(
         x = decoder_layer(x, w, cfg, layer, W, fmt, act_fp8)
     x = rms(x, w["model.norm.weight"], cfg["rms_norm_eps"])
     return x if hidden else x @ w["lm_head.weight"].T
+
+
+def mtp(
+    w: dict,
+    cfg: dict,
+    next_ids: list[int],
+    hidden: np.ndarray,
+    window: int | None = None,
+    kv_format: str | None = None,
+    act_fp8: bool = False,
+    out_hidden: bool = False,
+) -> np.ndarray:
+    """DeepSeek-V3's MTP module (layer L = num_hidden_layers) over one sequence: row t takes the
+    embedding of next_ids[t] (the token after position t) and hidden[t] float64 [T, hidden_size]
+    (the target's final-normed hidden state at t), at positions 0..T-1. Logits float64 [T, vocab]
+    of the token after next (``out_hidden``: the layer's output before shared_head.norm)."""
+    p = f"model.layers.{cfg['num_hidden_layers']}."
+    eps = cfg["rms_norm_eps"]
+    e = rms(w["model.embed_tokens.weight"][next_ids], w[p + "enorm.weight"], eps)
+    x = proj(np.concatenate([e, rms(hidden, w[p + "hnorm.weight"], eps)], -1), w, p + "eh_proj.weight", act_fp8)
+    x = decoder_layer(x, w, cfg, cfg["num_hidden_layers"], window, kv_format, act_fp8)
+    if out_hidden:
+        return x
+    return rms(x, w[p + "shared_head.norm.weight"], eps) @ w["lm_head.weight"].T
