@@ -71,6 +71,7 @@ class Request:
     grammar_after: int | None = None  # the matcher waits until this token is generated (e.g. </think>)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by position as the prompt is computed
     prompt_ranks: list[int | None] | None = None
+    draft_token_ids: list[int] = field(default_factory=list)  # the draft model's guesses of the next tokens
 
     def __post_init__(self) -> None:
         sp = self.sampling_params

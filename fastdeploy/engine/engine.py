@@ -16,11 +16,12 @@ from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_re
 from fastdeploy.distributed.parallel import init_tensor_parallel
 from fastdeploy.distributed.watchdog import RankWatchdog
 from fastdeploy.engine.args import EngineArgs
+from fastdeploy.engine.metrics import SpecDecodeStats
 from fastdeploy.input.grammar import GrammarEngine
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
 from fastdeploy.request import Request, RequestOutput
 from fastdeploy.sampling_params import SamplingParams
-from fastdeploy.scheduler.scheduler import Scheduler
+from fastdeploy.scheduler.scheduler import Scheduler, num_drafts
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 from fastdeploy.worker.tp_worker import encode_config
 
@@ -88,7 +89,9 @@ class LLMEngine:
             self.config.cache_config.enable_prefix_caching,
             mc.sliding_window,
         )
-        self.scheduler = Scheduler(sc, self.block_manager)
+        k = self.config.speculative_config.k
+        self.scheduler = Scheduler(sc, self.block_manager, lookahead=max(0, k - 1))
+        self.spec = SpecDecodeStats(k)
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
@@ -211,6 +214,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         self.preempted_log.extend(sched.preempted)
+        drafts = [num_drafts(req, n) for req, n in sched.scheduled]  # before the runner proposes new ones
         try:
             results = self.runner.execute(sched.scheduled)
         except Exception:  # noqa: BLE001 - pinned to requests below; the engine keeps serving
@@ -221,33 +225,50 @@ class LLMEngine:
             results = [self._execute_alone(req, n) for req, n in sched.scheduled]
         now = time.monotonic()
         outputs = []
-        for (req, n), res in zip(sched.scheduled, results, strict=True):
+        for (req, n), res, m in zip(sched.scheduled, results, drafts, strict=True):
             if isinstance(res, Exception):
                 outputs.append(self._fail(req, res))
                 continue
-            req.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(req)
+            start = req.num_computed_tokens
             if res is None:
+                req.num_computed_tokens = start + n
+                self.block_manager.cache_full_blocks(req)
                 continue
-            req.output_token_ids.append(res.token_id)
-            if req.grammar_after is not None and res.token_id == req.grammar_after:
-                req.grammar_after = None  # the constraint starts with the next token
-            elif req.constrained and not req.matcher.consume_token(res.token_id):
-                outputs.append(self._fail(req, RuntimeError(f"structured output: {req.matcher.get_error()}")))
-                continue
-            if res.top_logprobs is not None:
-                req.output_logprobs.append(res.top_logprobs)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            self.num_generated_tokens += 1
-            self._check_stop(req)
-            for listener in self.step_listeners:
-                listener(req, now)
+            if m:
+                self.spec.record(m, len(res) - 1)
+            for j, sample in enumerate(res):  # accepted drafts, then the target's own token
+                # tokens computed: the step's own, and the drafts accepted before this one (§4.16)
+                req.num_computed_tokens = start + n - m + j
+                self.block_manager.cache_full_blocks(req)
+                if not self._append(req, sample, now):
+                    break
+            if req.finish_reason != "error":
+                for listener in self.step_listeners:  # once a step, however many tokens it added
+                    listener(req, now)
             outputs.append(req.to_output())
             if req.is_finished:
+                req.draft_token_ids = []
                 self.requests.pop(req.request_id, None)
                 self.detok.pop(req.request_id, None)
+        self.spec.maybe_log(now)
         return outputs
+
+    def _append(self, req: Request, res, now: float) -> bool:
+        """Append one sampled token and check the stops; whether the request goes on (False:
+        finished, or failed by its grammar)."""
+        req.output_token_ids.append(res.token_id)
+        if req.grammar_after is not None and res.token_id == req.grammar_after:
+            req.grammar_after = None  # the constraint starts with the next token
+        elif req.constrained and not req.matcher.consume_token(res.token_id):
+            self._fail(req, RuntimeError(f"structured output: {req.matcher.get_error()}"))
+            return False
+        if res.top_logprobs is not None:
+            req.output_logprobs.append(res.top_logprobs)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self.num_generated_tokens += 1
+        self._check_stop(req)
+        return not req.is_finished
 
     def _execute_alone(self, req: Request, n: int):
         """One request's part of a failed step, run alone: its result, or the exception it raises.

@@ -7,7 +7,9 @@ time by a collector. Each server has its own registry.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -19,6 +21,42 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+LOG_INTERVAL_S = 10.0  # the speculative decoding log line's interval
+
+logger = logging.getLogger("fastdeploy")
+
+
+class SpecDecodeStats:
+    """Speculative decoding's counts (docs/design.md §4.16), vLLM's: verify steps (``drafts``),
+    draft tokens, accepted drafts, accepted drafts by position; a log line each LOG_INTERVAL_S
+    with the mean accepted length (tokens a verify step adds: 1 + accepted drafts) since the last."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+        self._logged = (time.monotonic(), 0, 0, 0)  # when, drafts, draft tokens, accepted then
+
+    def record(self, drafts: int, accepted: int) -> None:
+        """One request's verify step: ``drafts`` proposed, the first ``accepted`` of them kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += drafts
+        self.num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+    def maybe_log(self, now: float) -> None:
+        t, d, dt, a = self._logged
+        if not self.k or now - t < LOG_INTERVAL_S or self.num_drafts == d:
+            return
+        nd, na = self.num_drafts - d, self.num_accepted_tokens - a
+        logger.info(
+            "speculative decoding: mean accepted length %.2f, %d verify steps, draft acceptance %.1f%%",
+            1 + na / nd,
+            nd,
+            100 * na / max(1, self.num_draft_tokens - dt),
+        )
+        self._logged = (now, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
 
 def _metric(name: str, doc: str, kind: str, value: float | dict[str, float], label: str = ""):
@@ -101,6 +139,22 @@ class EngineMetrics:
         yield _metric(
             "swa_blocks_released", "SWA blocks released out of their window.", "counter", bm.swa_blocks_released
         )
+        spec = eng.spec
+        if spec.k:
+            yield _metric(
+                "spec_decode_num_drafts", "Speculative verify steps (one per request).", "counter", spec.num_drafts
+            )
+            yield _metric("spec_decode_num_draft_tokens", "Draft tokens proposed.", "counter", spec.num_draft_tokens)
+            yield _metric(
+                "spec_decode_num_accepted_tokens", "Draft tokens accepted.", "counter", spec.num_accepted_tokens
+            )
+            yield _metric(
+                "spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in the draft.",
+                "counter",
+                {str(j): v for j, v in enumerate(spec.accepted_per_pos)},
+                "position",
+            )
         yield _metric("num_preemptions", "Requests preempted (recomputed later).", "counter", eng.num_preemptions)
         yield _metric("engine_errors", "Requests the engine failed on.", "counter", eng.num_request_errors)
         yield _metric(

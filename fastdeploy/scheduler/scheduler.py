@@ -19,6 +19,18 @@ from fastdeploy.config import SchedulerConfig
 from fastdeploy.request import Request, RequestStatus
 
 
+def draft_room(req: Request, max_model_len: int, new_tokens: int = 0) -> int:
+    """Drafts the request's next step could verify once ``new_tokens`` more are appended: a step
+    verifying m drafts adds up to m + 1 tokens, within max_tokens and max_model_len."""
+    left = min(req.sampling_params.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens)
+    return max(0, left - new_tokens - 1)
+
+
+def num_drafts(req: Request, n: int) -> int:
+    """Drafts among the n tokens a step computes for ``req``: those past its own tokens."""
+    return max(0, min(n - (req.num_tokens - req.num_computed_tokens), len(req.draft_token_ids)))
+
+
 @dataclass
 class SchedulerOutput:
     """Requests of one step and how many new tokens each computes."""
@@ -32,8 +44,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lookahead: int = 0) -> None:
         self.config = config
+        self.lookahead = lookahead  # blocks for the draft model's extra positions (k - 1; §4.16)
         self.bm = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -55,6 +68,7 @@ class Scheduler:
         victim = self.running.pop()
         self.bm.free_request(victim)
         victim.num_computed_tokens = 0
+        victim.draft_token_ids = []
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -70,7 +84,14 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or budget == 0:  # preempted above, or no budget
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.bm.allocate(req, n):
+            if (
+                req.num_tokens - req.num_computed_tokens == 1 and req.draft_token_ids
+            ):  # verify drafts (docs/design.md §4.16)
+                m = min(len(req.draft_token_ids), draft_room(req, self.config.max_model_len), budget - 1)
+                del req.draft_token_ids[m:]
+                n += m
+            extra = min(self.lookahead, self.config.max_model_len - req.num_computed_tokens - n)
+            while not (extra > 0 and self.bm.allocate(req, n + extra)) and not self.bm.allocate(req, n):
                 if self._preempt_newest(out) is req:
                     break
             else:

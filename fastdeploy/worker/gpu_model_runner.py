@@ -25,9 +25,11 @@ from fastdeploy.model_executor.layers.attention.base_backend import KVSpec
 from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
 from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.model_executor.load_weight_utils import load_weights, parameter_bytes
+from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitmask
 from fastdeploy.request import Request
+from fastdeploy.scheduler.scheduler import draft_room, num_drafts
 
 logger = logging.getLogger("fastdeploy")
 
@@ -119,7 +121,18 @@ class GPUModelRunner:
         self.model = DeepseekV3ForCausalLM(mc, self.dtype, fd_config.kernel_config, self.tp, fd_config.cache_config)
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, mc.num_hidden_layers, self.tp.is_driver)
+        self.spec_k = fd_config.speculative_config.k
+        self.mtp: DeepseekV3MTP | None = None  # the draft model (docs/design.md §4.16)
+        if self.spec_k:
+            kv_dtype = fd_config.cache_config.kv_cache_dtype
+            self.mtp = DeepseekV3MTP(mc, self.dtype, fd_config.kernel_config, self.model, self.tp, kv_dtype)
+            self.mtp.eval()
+            self.bytes_loaded += load_weights(self.mtp, mc.model_dir, None, self.tp.is_driver)
+        self.last_step: tuple | None = None  # (step, meta, hidden) of the latest step, for the draft pass
         self.weight_bytes = parameter_bytes(self.model)
+        if self.mtp is not None:
+            for k, v in parameter_bytes(self.mtp).items():
+                self.weight_bytes[k] = self.weight_bytes.get(k, 0) + v
         logger.info(
             "weights on rank %d: %.1f MiB (%s; quantization %s)",
             self.tp.rank,
@@ -128,9 +141,10 @@ class GPUModelRunner:
             mc.quantization,
         )
         self.block_size = fd_config.cache_config.block_size
-        self.meta_builder = ForwardMetaBuilder(
-            self.block_size, self.model.attention_backends(), fd_config.kernel_config
-        )
+        backends = self.model.attention_backends()
+        kinds = {b.kind for b in backends}
+        backends += [b for b in (self.mtp.attention_backends() if self.mtp else []) if b.kind not in kinds]
+        self.meta_builder = ForwardMetaBuilder(self.block_size, backends, fd_config.kernel_config)
         self.step_started: float | None = None
         self.kv_specs = layer_kv_specs(mc, fd_config.cache_config, self.dtype)
         self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.kv_specs))  # the same on every rank
@@ -162,18 +176,27 @@ class GPUModelRunner:
         return caches
 
     def step_inputs(self, scheduled: list[tuple[Request, int]]) -> dict:
-        """The step's host arrays: what the driver broadcasts and every rank builds ForwardMeta from."""
-        ids, enc, dec = [], [], []
+        """The step's host arrays: what the driver broadcasts and every rank builds ForwardMeta from.
+        A request verifying m drafts (docs/design.md §4.16) computes its last token and the drafts
+        as a chunk of m + 1 tokens, and samples at each of them (``sample_rows``)."""
+        ids, enc, dec, sample_rows, row = [], [], [], [], 0
         tables: dict[str, list[list[int]]] = {g: [] for g in self.num_blocks}
         for req, n in scheduled:
-            start = req.num_computed_tokens
-            ids.extend(req.all_token_ids[start : start + n])
+            start, m = req.num_computed_tokens, num_drafts(req, n)
+            ids.extend(req.all_token_ids[start : start + n - m] + req.draft_token_ids[:m])
             is_decode = n == 1 and req.output_token_ids and start == req.num_tokens - 1
             enc.append(0 if is_decode else n)
             dec.append(start)
             for g, rows in tables.items():
                 rows.append(req.block_tables[g])
-        samples_at = [i for i, (req, n) in enumerate(scheduled) if req.num_computed_tokens + n == req.num_tokens]
+            if start + n - m == req.num_tokens:
+                sample_rows.append(list(range(row + n - m - 1, row + n)))
+            row += n
+        samples_at = [
+            i
+            for i, (req, n) in enumerate(scheduled)
+            if req.num_computed_tokens + n - num_drafts(req, n) == req.num_tokens
+        ]
         lp_rows, lp_targets, lp_k, row = [], [], 0, 0
         for req, n in scheduled:
             if req.prompt_logprobs is not None:
@@ -196,6 +219,7 @@ class GPUModelRunner:
             "seq_lens_decoder": dec,
             "block_tables": tables,
             "samples_at": samples_at,
+            "sample_rows": sample_rows,
             "prompt_logprobs": {"rows": lp_rows, "targets": lp_targets, "k": lp_k},
         }
 
@@ -206,13 +230,15 @@ class GPUModelRunner:
         meta = self.meta_builder.build(
             step["input_ids"], step["seq_lens_encoder"], step["seq_lens_decoder"], step["block_tables"]
         )
-        hidden = self.model(meta, self.caches)
+        hidden = self.model(meta, self.caches[: self.fd.model_config.num_hidden_layers])
+        if self.mtp is not None:
+            self.last_step = (step, meta, hidden)
         lp = step.get("prompt_logprobs")
         prompt = self.prompt_logprobs(hidden, **lp) if lp and lp["rows"] else None
         if not step["samples_at"]:
             return None, prompt
-        last_tok = (meta.cu_seqlens_q[1:] - 1)[step["samples_at"]]
-        return self.model.compute_logits(hidden, paddle.to_tensor(last_tok)), prompt
+        rows = [r for rs in step["sample_rows"] for r in rs]
+        return self.model.compute_logits(hidden, paddle.to_tensor(rows, dtype="int64")), prompt
 
     def prompt_logprobs(
         self, hidden: paddle.Tensor, rows: list[int], targets: list[int], k: int
@@ -239,17 +265,21 @@ class GPUModelRunner:
             parts.append(((at - lse).squeeze(1).numpy(), rank.numpy(), ids, top))
         return tuple(np.concatenate(x) for x in zip(*parts, strict=True)) if parts else None
 
-    def execute(self, scheduled: list[tuple[Request, int]]) -> list[SampleResult | Exception | None]:
-        """Run one step (the driver; other ranks get its inputs by broadcast); a sample for each
-        request whose tokens are now all computed (or the exception sampling it raised), else None.
-        A failure of the model step itself raises."""
+    def execute(self, scheduled: list[tuple[Request, int]]) -> list[list[SampleResult] | Exception | None]:
+        """Run one step (the driver; other ranks get its inputs by broadcast). For each request
+        whose tokens are now all computed, its new tokens: one sample, or with drafts the accepted
+        drafts then the target's own token (docs/design.md §4.16); or the exception sampling it
+        raised; else None. With speculation, the draft model then proposes each sampled request's
+        next drafts (``Request.draft_token_ids``). A failure of the model step itself raises."""
         if not scheduled:
             return []
         self.step_started = time.monotonic()  # the watchdog times the input broadcast too
         try:
             step = self.tp.broadcast_object(self.step_inputs(scheduled))
             reqs = [scheduled[i][0] for i in step["samples_at"]]
-            masked = [i for i, r in enumerate(reqs) if r.constrained]
+            rows = [len(r) for r in step["sample_rows"]]
+            first = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64) if rows else []
+            masked = [i for i, r in enumerate(reqs) if r.constrained]  # never drafts: one row each
             masks = None  # computed by llguidance's threads while this thread runs the forward
             if masked:
                 vocab = self.fd.model_config.vocab_size
@@ -260,16 +290,110 @@ class GPUModelRunner:
                 words = masks.result() if masks is not None else None  # never left running
             if prompt is not None:
                 self.record_prompt_logprobs(scheduled, prompt)
-            results: list[SampleResult | Exception | None] = [None] * len(scheduled)
+            results: list[list[SampleResult] | Exception | None] = [None] * len(scheduled)
             if logits is None:
                 return results
             if words is not None:
-                logits = apply_token_bitmask(logits, words, masked, self.fd.kernel_config.triton)
-            for i, r in zip(step["samples_at"], self.sampler.sample(logits, reqs), strict=True):
+                logits = apply_token_bitmask(
+                    logits, words, [int(first[i]) for i in masked], self.fd.kernel_config.triton
+                )
+            drafts = [r.draft_token_ids[: n - 1] for r, n in zip(reqs, rows, strict=True)]
+            for i, r in zip(step["samples_at"], self.verify(logits, reqs, first, drafts), strict=True):
                 results[i] = r
+            if self.mtp is not None:
+                self.propose_drafts(step, scheduled, results)
             return results
         finally:
             self.step_started = None
+
+    def verify(
+        self, logits: paddle.Tensor, reqs: list[Request], first: Sequence[int], drafts: list[list[int]]
+    ) -> list[list[SampleResult] | Exception]:
+        """Sample each request's rows in order (row j of request b is logits[first[b] + j], the
+        target's distribution after its j-th draft), accepting while the sample equals the draft
+        (docs/design.md §4.16). Drafts are the draft model's arg-max, a one-hot proposal, so this is
+        rejection sampling (Leviathan et al.): a draft d is kept with probability p(d), and a
+        rejected one's replacement is drawn from p without d, renormalised. Each row samples as
+        the request's next token would without speculation (seed step, penalties, min_tokens)."""
+        out: list[list[SampleResult] | Exception] = [[] for _ in reqs]
+        live = list(range(len(reqs)))
+        for j in range(1 + max(len(d) for d in drafts)):
+            if not live:
+                break
+            idx = paddle.to_tensor([int(first[b]) + j for b in live], dtype="int64")
+            pending = [[r.token_id for r in out[b]] for b in live]
+            rows = logits if j == 0 and len(live) == logits.shape[0] else logits[idx]
+            nxt = []
+            for b, r in zip(live, self.sampler.sample(rows, [reqs[b] for b in live], pending), strict=True):
+                if isinstance(r, Exception):
+                    out[b] = r if not out[b] else out[b]  # the tokens accepted before it stand
+                    continue
+                out[b].append(r)
+                if j < len(drafts[b]) and r.token_id == drafts[b][j]:
+                    nxt.append(b)
+            live = nxt
+        return out
+
+    def propose_drafts(
+        self, step: dict, scheduled: list[tuple[Request, int]], results: list[list[SampleResult] | Exception | None]
+    ) -> None:
+        """The driver: ask every rank to run the draft model over this step (``draft``), and set
+        each sampled request's ``draft_token_ids``. A request drafts from the row of its last
+        accepted token; it gets no drafts under a structured-output grammar (its tokens must be
+        masked one by one) or without room for them."""
+        next_ids = [0] * len(step["input_ids"])
+        rows, batch, pos, depth, drafting = [], [], [], [], []
+        row, max_len = 0, self.fd.scheduler_config.max_model_len
+        for b, ((req, n), res) in enumerate(zip(scheduled, results, strict=True)):
+            start = req.num_computed_tokens
+            seq = req.all_token_ids + ([r.token_id for r in res] if isinstance(res, list) else [])
+            for i in range(n):  # the token after each row's position, where known
+                if start + i + 1 < len(seq):
+                    next_ids[row + i] = seq[start + i + 1]
+            if isinstance(res, list) and req.matcher is None:
+                p = len(seq) - 2  # the last accepted token's position
+                room = min(self.spec_k, draft_room(req, max_len, len(res)))
+                covered = len(req.block_tables[next(iter(self.num_blocks))]) * self.block_size
+                d = min(room, covered - p)
+                if d > 0:
+                    rows.append(row + p - start)
+                    batch.append(b)
+                    pos.append(p)
+                    depth.append(d)
+                    drafting.append(req)
+            row += n
+        msg = {"draft": {"next_ids": next_ids, "rows": rows, "batch": batch, "pos": pos, "depth": depth}}
+        proposed = self.draft(self.tp.broadcast_object(msg)["draft"])
+        for req, _ in scheduled:
+            req.draft_token_ids = []
+        for req, d, toks in zip(drafting, depth, proposed, strict=True):
+            req.draft_token_ids = [int(t) for t in toks[:d]]
+
+    def draft(self, msg: dict) -> np.ndarray:
+        """Every rank: the draft model over the latest step (its meta and the target's hidden
+        states), each row reading the token after it (``next_ids``); then for each drafting
+        request (``rows``: its row of the step, ``pos``: that row's position) ``depth`` - 1 more
+        one-token passes on its own drafts at positions pos + 1, ... (their KV is rewritten when
+        the target computes those positions). Arg-max drafts int64 [D, k], -1 past a request's depth."""
+        step, meta, hidden = self.last_step
+        cache = self.caches[self.fd.model_config.num_hidden_layers]
+        out = np.full((len(msg["rows"]), self.spec_k), -1, np.int64)
+        if not msg["rows"]:
+            return out
+        x = self.mtp(paddle.to_tensor(msg["next_ids"], dtype="int64"), hidden, meta, cache)
+        rows = paddle.to_tensor(msg["rows"], dtype="int64")
+        out[:, 0] = paddle.argmax(self.mtp.compute_logits(x, rows), axis=1).numpy()
+        x, live = x[rows], list(range(len(rows)))
+        for j in range(1, max(msg["depth"])):
+            keep = [i for i, li in enumerate(live) if msg["depth"][li] > j]
+            live = [live[i] for i in keep]
+            x = x[paddle.to_tensor(keep, dtype="int64")]
+            tables = {g: [t[msg["batch"][li]] for li in live] for g, t in step["block_tables"].items()}
+            pos = [msg["pos"][li] + j for li in live]
+            meta = self.meta_builder.build(out[live, j - 1], [0] * len(live), pos, tables)
+            x = self.mtp(paddle.to_tensor(out[live, j - 1]), x, meta, cache)
+            out[live, j] = paddle.argmax(self.mtp.compute_logits(x, paddle.arange(len(live))), axis=1).numpy()
+        return out
 
     @staticmethod
     def record_prompt_logprobs(scheduled: list[tuple[Request, int]], prompt: tuple[np.ndarray, ...]) -> None:
@@ -289,9 +413,12 @@ class GPUModelRunner:
                 r += 1
 
     def serve_steps(self) -> None:
-        """A worker rank: run the driver's steps until it broadcasts None."""
+        """A worker rank: run the driver's steps (and draft passes) until it broadcasts None."""
         while (step := self.tp.broadcast_object()) is not None:
-            self.run_step(step)  # rank 0 keeps the results
+            if "draft" in step:
+                self.draft(step["draft"])
+            else:
+                self.run_step(step)  # rank 0 keeps the results
 
     def stop_workers(self) -> None:
         """The driver: tell the other ranks to return from ``serve_steps``."""

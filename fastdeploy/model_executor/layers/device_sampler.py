@@ -49,10 +49,10 @@ class DeviceSampler:
         self.tally: list[int] = [0] * max_slots  # output tokens counted in each slot
         self.slot_of: dict[str, int] = {}
 
-    def _slot_for(self, req: Request, in_step: set[int]) -> int:
-        """A slot whose tables hold req's tokens (rebuilt if they may not)."""
+    def _slot_for(self, req: Request, in_step: set[int], out: list[int]) -> int:
+        """A slot whose tables hold req's tokens, ``out`` its output so far (rebuilt if they may not)."""
         s = self.slot_of.get(req.request_id)
-        if s is not None and self.owner[s] is req and self.tally[s] == len(req.output_token_ids):
+        if s is not None and self.owner[s] is req and self.tally[s] == len(out):
             return s
         if s is None or self.owner[s] is not req:  # a free slot, else one of a request not in this step
             s = next(s for s, r in enumerate(self.owner) if r is None or id(r) not in in_step)
@@ -62,19 +62,22 @@ class DeviceSampler:
             self.counts = paddle.zeros([self.max_slots, self.vocab_size], "int32")
             self.seen = paddle.zeros([self.max_slots, self.vocab_size], "uint8")
         row = np.zeros(self.vocab_size, np.int32)
-        np.add.at(row, np.asarray(req.output_token_ids, np.int64), 1)
+        np.add.at(row, np.asarray(out, np.int64), 1)
         seen = np.zeros(self.vocab_size, np.uint8)
         seen[np.asarray(req.prompt_token_ids, np.int64)] = 1
         self.counts[s] = paddle.to_tensor(row)
         self.seen[s] = paddle.to_tensor(seen)
-        self.owner[s], self.tally[s] = req, len(req.output_token_ids)
+        self.owner[s], self.tally[s] = req, len(out)
         self.slot_of[req.request_id] = s
         return s
 
-    def pack(self, reqs: Sequence[Request]) -> dict[str, np.ndarray]:
+    def pack(self, reqs: Sequence[Request], pending: Sequence[list[int]] | None = None) -> dict[str, np.ndarray]:
         """The rows' host arrays: fparams float32 [B, 8], iparams int32 [B, 4], seeds int32
-        [B, 2], bias_ids int32 / bias_vals float32 [B, NB >= 1]."""
+        [B, 2], bias_ids int32 / bias_vals float32 [B, NB >= 1]. ``pending[b]``: tokens of row b
+        accepted in this step before it (speculative verification, docs/design.md §4.16): the row
+        samples as if they were already in its output (penalties, min_tokens, the seed's step)."""
         B = len(reqs)
+        outs = [r.output_token_ids + list(pending[b]) if pending else r.output_token_ids for b, r in enumerate(reqs)]
         states = [r.sampling_state for r in reqs]
         f = np.zeros((B, NUM_F), np.float32)
         i = np.zeros((B, NUM_I), np.int32)
@@ -85,12 +88,12 @@ class DeviceSampler:
         ]
         i[:, I_TOP_K] = [s.top_k for s in states]
         i[:, I_SLOT] = -1
-        n_out = [len(r.output_token_ids) for r in reqs]
+        n_out = [len(o) for o in outs]
         in_step = {id(r) for r in reqs}
         biases = []
         for b, (req, st) in enumerate(zip(reqs, states, strict=True)):
             if st.penalized:
-                i[b, I_SLOT] = self._slot_for(req, in_step)
+                i[b, I_SLOT] = self._slot_for(req, in_step, outs[b])
             bias = list(st.logit_bias.items()) if st.logit_bias else []
             if n_out[b] < st.min_tokens:
                 bias += [(t, -np.inf) for t in st.min_tokens_stop_ids]
@@ -112,10 +115,13 @@ class DeviceSampler:
             "bias_vals": bias_vals,
         }
 
-    def sample(self, logits: paddle.Tensor, reqs: Sequence[Request]) -> list[SampleResult | Exception]:
+    def sample(
+        self, logits: paddle.Tensor, reqs: Sequence[Request], pending: Sequence[list[int]] | None = None
+    ) -> list[SampleResult | Exception]:
         """logits [B, vocab] on the device, one row per request -> a result per row (a
-        ValueError for a row whose logits are not finite: it fails that request only)."""
-        host = self.pack(reqs)
+        ValueError for a row whose logits are not finite: it fails that request only);
+        ``pending`` as in ``pack``."""
+        host = self.pack(reqs, pending)
         dev = {k: paddle.to_tensor(v) for k, v in host.items()}
         counts = self.counts if self.counts is not None else self.no_counts
         seen = self.seen if self.seen is not None else self.no_seen

@@ -59,11 +59,12 @@ def attention_backend(
 
 def layer_kv_specs(cfg: ModelConfig, cache_config: CacheConfig, dtype: str) -> list[KVSpec]:
     """Each layer's KV cache layout as its backend declares it (``dtype`` the model's), without
-    building the model: what the runner allocates, ``tools/plan`` counts and tests poison."""
+    building the model: what the runner allocates, ``tools/plan`` counts and tests poison. The
+    decoder layers, then the MTP layers the engine runs (``cfg.mtp_layers``)."""
     kv = cache_config.kv_cache_dtype
     return [
         attention_backend(cfg, i, dtype, KernelConfig(), cfg.num_attention_heads, kv).kv_spec(cache_config)
-        for i in range(cfg.num_hidden_layers)
+        for i in range(cfg.num_hidden_layers + cfg.mtp_layers)
     ]
 
 
