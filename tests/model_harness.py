@@ -8,6 +8,7 @@ import paddle
 from fastdeploy.config import CacheConfig, KernelConfig, ModelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.load_weight_utils import load_weights
+from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 
 NAN_U8 = 0xFF  # every byte 0xFF: NaN fp8 codes, NaN float32 scales, NaN bf16 rope
@@ -16,7 +17,8 @@ NAN_U8 = 0xFF  # every byte 0xFF: NaN fp8 codes, NaN float32 scales, NaN bf16 ro
 class Harness:
     """A loaded model, NaN-poisoned caches in the layouts the backends declare, and per-request
     block tables drawn at random, a different one in each KV cache group (``tables[group][rid]``).
-    ``kernels`` picks the implementations (default: the CPU reference path)."""
+    ``kernels`` picks the implementations (default: the CPU reference path); ``mtp``: the
+    checkpoint's MTP layer too (``self.mtp``, its cache the last)."""
 
     def __init__(
         self,
@@ -27,18 +29,26 @@ class Harness:
         kv_cache_dtype: str = "auto",
         kernels: KernelConfig | None = None,
         quantization: str = "none",
+        mtp: bool = False,
     ) -> None:
         self.cfg = ModelConfig.from_pretrained(model_dir)
         self.cfg.quantization = quantization
+        self.cfg.mtp_layers = int(mtp)
         self.kernels = kernels or KernelConfig()
         cache_config = CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype)
         self.model = DeepseekV3ForCausalLM(self.cfg, "float32", self.kernels, cache_config=cache_config)
         load_weights(self.model, model_dir, self.cfg.num_hidden_layers, show_progress=False)
+        backends = self.model.attention_backends()
+        self.mtp = None
+        if mtp:
+            self.mtp = DeepseekV3MTP(self.cfg, "float32", self.kernels, self.model, kv_cache_dtype=kv_cache_dtype)
+            load_weights(self.mtp, model_dir, None, show_progress=False)
+            backends += [b for b in self.mtp.attention_backends() if b.kind not in {x.kind for x in backends}]
         self.caches = []
         for spec in layer_kv_specs(self.cfg, cache_config, "float32"):
             fill = NAN_U8 if spec.dtype == "uint8" else float("nan")
             self.caches.append(paddle.full(spec.shape(num_blocks, block_size), fill, dtype=spec.dtype))
-        self.builder = ForwardMetaBuilder(block_size, self.model.attention_backends(), self.kernels)
+        self.builder = ForwardMetaBuilder(block_size, backends, self.kernels)
         self.block_size = block_size
         groups = list(self.cfg.kv_cache_groups)
         self.free = {g: list(np.random.default_rng([seed, i]).permutation(num_blocks)) for i, g in enumerate(groups)}
@@ -72,7 +82,8 @@ class Harness:
     def step(self, batch: list[tuple[str, list[int]]], decode: set[str] = frozenset()) -> dict[str, np.ndarray]:
         """Run one step: each (request, new token ids); returns float64 logits [n, vocab] per request."""
         meta = self.build_meta(batch, decode)
-        logits = self.model.compute_logits(self.model(meta, self.caches)).numpy().astype(np.float64)
+        hidden = self.model(meta, self.caches[: self.cfg.num_hidden_layers])
+        logits = self.model.compute_logits(hidden).numpy().astype(np.float64)
         cu = meta.cu_seqlens_q
         return {rid: logits[cu[b] : cu[b + 1]] for b, (rid, _) in enumerate(batch)}
 

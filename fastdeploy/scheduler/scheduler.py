@@ -90,7 +90,7 @@ class Scheduler:
                 m = min(len(req.draft_token_ids), draft_room(req, self.config.max_model_len), budget - 1)
                 del req.draft_token_ids[m:]
                 n += m
-            extra = min(self.lookahead, self.config.max_model_len - req.num_computed_tokens - n)
+            extra = self.lookahead and min(self.lookahead, self.config.max_model_len - req.num_computed_tokens - n)
             while not (extra > 0 and self.bm.allocate(req, n + extra)) and not self.bm.allocate(req, n):
                 if self._preempt_newest(out) is req:
                     break
