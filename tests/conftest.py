@@ -29,6 +29,17 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
 
+@pytest.fixture(scope="session")
+def mtp_model_dir(tmp_path_factory) -> str:
+    """The tiny model with an MTP layer (SWA, W = 32), fitted to the model's continuations."""
+    from fastdeploy.tools.make_tiny_model import make_tiny_model
+    from fastdeploy.tools.mtp_fit import fit_mtp
+
+    d = make_tiny_model(str(tmp_path_factory.mktemp("mtp")), first_k_dense=0, mtp=True)
+    fit_mtp(d, 0, n_fit=8, n_test=4, gen_len=48)
+    return d
+
+
 import sys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/numpy_refs.py

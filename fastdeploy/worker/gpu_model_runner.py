@@ -109,6 +109,36 @@ def num_blocks_for(fd: FDConfig, specs: Sequence[KVSpec]) -> dict[str, int]:
     return plan_kv_blocks(fd, per_block, pool_budget(kv_budget_bytes(fd), per_block))
 
 
+def verify_drafts(
+    sampler: DeviceSampler, logits: paddle.Tensor, reqs: list[Request], first: Sequence[int], drafts: list[list[int]]
+) -> list[list[SampleResult] | Exception]:
+    """Sample each request's rows in order (row j of request b is logits[first[b] + j], the
+    target's distribution after its j-th draft), accepting while the sample equals the draft
+    (docs/design.md §4.16). Drafts are the draft model's arg-max, a one-hot proposal, so this is
+    rejection sampling (Leviathan et al.): a draft d is kept with probability p(d), and a
+    rejected one's replacement is drawn from p without d, renormalised. Each row samples as
+    the request's next token would without speculation (seed step, penalties, min_tokens)."""
+    out: list[list[SampleResult] | Exception] = [[] for _ in reqs]
+    live = list(range(len(reqs)))
+    for j in range(1 + max(len(d) for d in drafts)):
+        if not live:
+            break
+        idx = paddle.to_tensor([int(first[b]) + j for b in live], dtype="int64")
+        pending = [[r.token_id for r in out[b]] for b in live]
+        rows = logits if j == 0 and len(live) == logits.shape[0] else logits[idx]
+        nxt = []
+        for b, r in zip(live, sampler.sample(rows, [reqs[b] for b in live], pending), strict=True):
+            if isinstance(r, Exception):
+                if not out[b]:  # else the tokens accepted before it stand
+                    out[b] = r
+                continue
+            out[b].append(r)
+            if j < len(drafts[b]) and r.token_id == drafts[b][j]:
+                nxt.append(b)
+        live = nxt
+    return out
+
+
 class GPUModelRunner:
     """One rank's model and KV caches. The driver (rank 0) schedules and samples; under tensor
     parallelism it broadcasts each step's host arrays and every rank runs the same step."""
@@ -298,41 +328,13 @@ class GPUModelRunner:
                     logits, words, [int(first[i]) for i in masked], self.fd.kernel_config.triton
                 )
             drafts = [r.draft_token_ids[: n - 1] for r, n in zip(reqs, rows, strict=True)]
-            for i, r in zip(step["samples_at"], self.verify(logits, reqs, first, drafts), strict=True):
+            for i, r in zip(step["samples_at"], verify_drafts(self.sampler, logits, reqs, first, drafts), strict=True):
                 results[i] = r
             if self.mtp is not None:
                 self.propose_drafts(step, scheduled, results)
             return results
         finally:
             self.step_started = None
-
-    def verify(
-        self, logits: paddle.Tensor, reqs: list[Request], first: Sequence[int], drafts: list[list[int]]
-    ) -> list[list[SampleResult] | Exception]:
-        """Sample each request's rows in order (row j of request b is logits[first[b] + j], the
-        target's distribution after its j-th draft), accepting while the sample equals the draft
-        (docs/design.md §4.16). Drafts are the draft model's arg-max, a one-hot proposal, so this is
-        rejection sampling (Leviathan et al.): a draft d is kept with probability p(d), and a
-        rejected one's replacement is drawn from p without d, renormalised. Each row samples as
-        the request's next token would without speculation (seed step, penalties, min_tokens)."""
-        out: list[list[SampleResult] | Exception] = [[] for _ in reqs]
-        live = list(range(len(reqs)))
-        for j in range(1 + max(len(d) for d in drafts)):
-            if not live:
-                break
-            idx = paddle.to_tensor([int(first[b]) + j for b in live], dtype="int64")
-            pending = [[r.token_id for r in out[b]] for b in live]
-            rows = logits if j == 0 and len(live) == logits.shape[0] else logits[idx]
-            nxt = []
-            for b, r in zip(live, self.sampler.sample(rows, [reqs[b] for b in live], pending), strict=True):
-                if isinstance(r, Exception):
-                    out[b] = r if not out[b] else out[b]  # the tokens accepted before it stand
-                    continue
-                out[b].append(r)
-                if j < len(drafts[b]) and r.token_id == drafts[b][j]:
-                    nxt.append(b)
-            live = nxt
-        return out
 
     def propose_drafts(
         self, step: dict, scheduled: list[tuple[Request, int]], results: list[list[SampleResult] | Exception | None]

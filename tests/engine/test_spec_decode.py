@@ -1,0 +1,236 @@
+"""MTP speculative decoding (docs/design.md §4.16): greedy output identical with speculation on
+and off for k = 1, 2, 3 over window crossings (sequences >= 2W + a block), chunked prefill,
+prefix hits, preemption and n > 1; stop strings that end inside accepted drafts; seeded sampling
+unchanged; rejection sampling keeps the target's distribution; and after every step the SWA
+blocks and prefix hashes follow the accepted tokens only, all blocks free at the end."""
+
+import numpy as np
+import paddle
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
+from fastdeploy.model_executor.layers.sampler import adjusted_logits, kept_mask
+from fastdeploy.request import Request
+from fastdeploy.worker.gpu_model_runner import verify_drafts
+
+W, BS = 32, 16
+
+
+def spec(k: int) -> dict:
+    return {"speculative_config": f'{{"method": "mtp", "num_speculative_tokens": {k}}}'} if k else {}
+
+
+def engine(model_dir, k, **kw):
+    common = dict(block_size=BS, max_num_seqs=6, enable_prefix_caching=True, max_model_len=224)
+    return LLM(model_dir, **{**common, **kw}, **spec(k)).engine
+
+
+class Watch:
+    """Checks, before each step (once blocks are allocated) and after it, that a request's SWA
+    table is released exactly below its first visible block of the accepted length, that its
+    tables reach no further than its step plus the draft lookahead, and that every block
+    registered for prefix reuse holds accepted tokens only (its hash is the chain of them)."""
+
+    def __init__(self, eng, lookahead: int) -> None:
+        self.eng, self.bm, self.la = eng, eng.block_manager, lookahead
+        self.violations: list[str] = []
+        self.results: dict[str, list[int]] = {}  # request -> tokens the runner returned, per step
+        inner = eng.runner.execute
+
+        def execute(scheduled):
+            for req, n in scheduled:
+                self.check_tables(req, n)
+            res = inner(scheduled)
+            for (req, _), r in zip(scheduled, res, strict=True):
+                if isinstance(r, list):
+                    self.results.setdefault(req.request_id, []).append(len(r))
+            return res
+
+        eng.runner.execute = execute
+
+    def check(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.violations.append(what)
+
+    def check_tables(self, req, n: int) -> None:
+        c = req.num_computed_tokens
+        lo = max(0, c - W + 1) // BS
+        swa = req.block_tables.get("swa", [])
+        self.check(all(b == -1 for b in swa[:lo]), f"{req.request_id}: a block out of sight kept at {c}")
+        self.check(all(b >= 0 for b in swa[lo:]), f"{req.request_id}: a block in sight released at {c}")
+        for g, t in req.block_tables.items():
+            self.check(len(t) <= -(-(c + n + self.la) // BS), f"{req.request_id}: {g} table past the lookahead")
+
+    def after_step(self) -> None:
+        for req in self.eng.scheduler.running:
+            c, toks = req.num_computed_tokens, req.all_token_ids
+            self.check(c <= req.num_tokens - 1, f"{req.request_id}: {c} computed of {req.num_tokens}")
+            h = 0
+            for j in range(len(req.block_tables.get("full", []))):
+                b = req.block_tables["full"][j]
+                h = hash((h, tuple(toks[j * BS : (j + 1) * BS])))
+                cached = self.bm.pools["full"].block_hash[b]
+                if (j + 1) * BS <= c:
+                    self.check(cached in (None, h), f"{req.request_id}: block {j} hash is not its tokens'")
+                else:
+                    self.check(cached is None, f"{req.request_id}: block {j} past {c} computed is registered")
+
+    def assert_all_free(self) -> None:
+        assert not self.violations, self.violations[:5]
+        for p in self.bm.pools.values():
+            assert p.num_free == p.num_blocks and not any(p.ref_cnt)
+
+
+def drive(eng, plan: dict, watch: Watch | None = None, max_steps: int = 400) -> dict:
+    """Add plan[step]'s requests (id, prompt ids, sampling kw, sibling of) at that step; run to the end."""
+    outs, prompts = {}, {}
+    for step in range(max_steps):
+        for rid, prompt, kw, after in plan.get(step, []):
+            prompts[rid] = prompts[after] if after else prompt
+            req = eng.make_request(prompts[rid], SamplingParams(**kw), rid)
+            if after:
+                req.prefill_after = eng.requests[after]
+            eng.enqueue(req)
+        if step > max(plan) and not eng.has_unfinished_requests():
+            break
+        for o in eng.step():
+            outs[o.request_id] = o
+        if watch:
+            watch.after_step()
+    assert not eng.has_unfinished_requests()
+    return outs
+
+
+def workload(rng) -> dict:
+    shared = [int(x) for x in rng.integers(4, 256, 40)]
+    g = {"temperature": 0.0, "ignore_eos": True, "logprobs": 2}
+    r = lambda n: [int(x) for x in rng.integers(4, 256, n)]  # noqa: E731
+    return {
+        0: [("long", r(85), {**g, "max_tokens": 70}, None), ("a", shared + r(5), {**g, "max_tokens": 50}, None)],
+        2: [("b", r(9), {**g, "max_tokens": 40}, None)],
+        4: [("hit", shared + r(3), {**g, "max_tokens": 60}, None), ("c", r(33), {**g, "max_tokens": 45}, None)],
+        5: [("c2", None, {**g, "max_tokens": 45}, "c")],
+        9: [("late", shared + r(30), {**g, "max_tokens": 30}, None)],
+    }
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_output_identical_with_speculation(mtp_model_dir, k, rng):
+    """A pool of 18 full blocks forces preemptions; a 40-token budget chunks the prompts (chunks
+    below, at and above W as decodes share it); "hit" and "late" reuse "a"'s prefix; c2 is c's sibling."""
+    plan = workload(rng)
+    kw = dict(num_gpu_blocks_override=18, max_num_batched_tokens=40)
+    plain = drive(engine(mtp_model_dir, 0, **kw), plan)
+    eng = engine(mtp_model_dir, k, **kw)
+    watch = Watch(eng, k - 1)
+    got = drive(eng, plan, watch)
+    for rid, o in plain.items():
+        a, b = got[rid].outputs[0], o.outputs[0]
+        assert a.token_ids == b.token_ids, rid
+        assert len(a.token_ids) == len(b.token_ids) == plan_tokens(plan, rid)
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            np.testing.assert_allclose(list(la.values()), list(lb.values()), rtol=0, atol=2e-3)
+    watch.assert_all_free()
+    assert eng.num_preemptions > 0 and eng.block_manager.prefix_hits > 0
+    s = eng.spec
+    assert s.num_draft_tokens >= s.num_drafts > 0 and 0 < s.num_accepted_tokens <= s.num_draft_tokens
+    assert sum(s.accepted_per_pos) == s.num_accepted_tokens and len(s.accepted_per_pos) == k
+    assert all(x >= y for x, y in zip(s.accepted_per_pos, s.accepted_per_pos[1:], strict=False))
+    assert eng.num_generated_tokens == sum(len(o.outputs[0].token_ids) for o in got.values())
+    assert max(n for v in watch.results.values() for n in v) > 1  # some steps accepted drafts
+
+
+def plan_tokens(plan, rid):
+    return next(kw["max_tokens"] for v in plan.values() for r, _, kw, _ in v if r == rid)
+
+
+def test_stop_strings_ending_inside_accepted_drafts(mtp_model_dir, rng):
+    """Stops cut at many points of a greedy continuation: text, tokens, finish reason equal with
+    and without speculation, and some stops end a step before its last accepted token."""
+    prompt = [int(x) for x in rng.integers(4, 256, 24)]
+    plain, eng = engine(mtp_model_dir, 0), engine(mtp_model_dir, 3)
+    base = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    full = drive(plain, {0: [("x", prompt, base, None)]})["x"].outputs[0]
+    watch = Watch(eng, 2)
+    inside = 0
+    for j in range(6, 40, 3):
+        text = plain.tokenizer.decode(full.token_ids[: j + 1])
+        stop = text[-3:]
+        if not stop.strip():
+            continue
+        kw = {**base, "stop": [stop]}
+        want = drive(plain, {0: [(f"p{j}", prompt, kw, None)]})[f"p{j}"].outputs[0]
+        got = drive(eng, {0: [(f"s{j}", prompt, kw, None)]}, watch)[f"s{j}"].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+        inside += want.finish_reason == "stop" and sum(watch.results[f"s{j}"]) > len(got.token_ids)
+    watch.assert_all_free()
+    assert inside > 0
+
+
+def test_seeded_sampling_unchanged_by_speculation(mtp_model_dir, rng):
+    """Each verified row samples as the request's next token would: same seed step, penalties and
+    min_tokens, so seeded output is the same token for token."""
+    kw = {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "presence_penalty": 0.4,
+        "frequency_penalty": 0.2,
+        "repetition_penalty": 1.1,
+        "min_tokens": 10,
+        "max_tokens": 40,
+        "logprobs": 1,
+    }
+    plan = {
+        0: [(f"r{i}", [int(x) for x in rng.integers(4, 256, 20 + i)], {**kw, "seed": 11 + i}, None) for i in range(4)]
+    }
+    plain = drive(engine(mtp_model_dir, 0), plan)
+    eng = engine(mtp_model_dir, 2)
+    got = drive(eng, plan)
+    for rid, o in plain.items():
+        assert got[rid].outputs[0].token_ids == o.outputs[0].token_ids, rid
+    assert eng.spec.num_accepted_tokens > 0
+
+
+def test_rejection_sampling_keeps_the_target_distribution(rng):
+    """verify_drafts over many seeded rows of one small-vocabulary distribution per depth, with
+    temperature, top-p and penalties: the first token, the second given the first draft accepted
+    and the third given both, each follow the target's processed distribution (chi-square)."""
+    V, N = 7, 6000
+    logits = rng.standard_normal((3, V)) * 1.5
+    prompt = [1, 2]
+    drafts = [int(np.argsort(-logits[0])[1]), int(np.argmax(logits[1])), int(np.argmax(logits[2]))]
+    reqs = []
+    for i in range(N):
+        sp = SamplingParams(
+            temperature=0.9, top_p=0.92, presence_penalty=0.7, repetition_penalty=1.3, seed=i, max_tokens=8
+        )
+        r = Request(f"r{i}", prompt, sp)
+        r.draft_token_ids = list(drafts)
+        reqs.append(r)
+    flat = paddle.to_tensor(np.tile(logits, (N, 1)).astype(np.float32))
+    res = verify_drafts(DeviceSampler(V, N, triton=False), flat, reqs, [3 * i for i in range(N)], [drafts] * N)
+
+    def target(row: int, out: list[int]) -> np.ndarray:
+        st = reqs[0].sampling_state
+        z = adjusted_logits(logits[row].astype(np.float64), st, prompt, out)
+        y, keep = kept_mask(z, st)
+        p = np.where(keep, np.exp(y - y[keep].max()), 0.0)
+        return p / p.sum()
+
+    def chi2_ok(tokens: list[int], p: np.ndarray) -> None:
+        seen = np.bincount(tokens, minlength=V).astype(np.float64)
+        n = len(tokens)
+        assert n > 300 and seen[p == 0].sum() == 0
+        keep = p * n >= 5
+        chi2 = (((seen - n * p) ** 2)[keep] / (n * p[keep])).sum()
+        assert chi2 < 22.5, (chi2, seen, n * p)  # chi2(df <= 6) exceeds 22.5 with probability 0.001
+
+    toks = [[s.token_id for s in r] for r in res]
+    chi2_ok([t[0] for t in toks], target(0, []))
+    chi2_ok([t[1] for t in toks if t[0] == drafts[0]], target(1, drafts[:1]))
+    chi2_ok([t[2] for t in toks if t[:2] == drafts[:2]], target(2, drafts[:2]))
+    for t in toks:  # accepted while equal, then one more
+        a = next((j for j in range(3) if t[j] != drafts[j]), 3) if len(t) == 4 else len(t) - 1
+        assert len(t) == a + 1 and t[:a] == drafts[:a]
