@@ -141,3 +141,31 @@ def test_fdconfig(tiny_model_dir):
         FDConfig(mc, scheduler_config=SchedulerConfig(max_model_len=10**6))
     with pytest.raises(ValueError, match="chunked prefill"):
         FDConfig(mc, scheduler_config=SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False))
+
+
+@pytest.mark.parametrize(
+    "text, msg",
+    [
+        ("{", "not JSON"),
+        ("[1]", "JSON object"),
+        ('{"num_speculative_tokens": 1}', "'method' is required"),
+        ('{"method": "eagle"}', "method 'eagle'"),
+        ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+        ('{"method": "mtp", "num_speculative_tokens": 9}', "num_speculative_tokens"),
+        ('{"method": "mtp", "num_speculative_tokens": true}', "num_speculative_tokens"),
+        ('{"method": "mtp", "k": 2}', "unknown key 'k'"),
+    ],
+)
+def test_speculative_config_errors_name_what_is_wrong(text, msg):
+    from fastdeploy.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=msg):
+        SpeculativeConfig.parse(text)
+
+
+def test_speculative_config_parses_both_method_names():
+    from fastdeploy.config import SpeculativeConfig
+
+    assert SpeculativeConfig.parse(None).k == 0 and SpeculativeConfig.parse("").k == 0
+    assert SpeculativeConfig.parse('{"method": "mtp"}').k == 1
+    assert SpeculativeConfig.parse({"method": "deepseek_mtp", "num_speculative_tokens": 3}).k == 3

@@ -100,6 +100,16 @@ def test_prompt_logprobs_at_tp2_equal_tp1(rng):
         assert np.abs(a - b).max() <= WORST * np.abs(a).max()
 
 
+def test_speculative_decoding_at_tp2_equals_tp1_without(mtp_model_dir, rng):
+    """Every rank runs the driver's draft passes (its "draft" message): TP 2 with k = 2 gives the
+    greedy tokens of TP 1 without speculation."""
+    ps = [{"prompt_token_ids": [int(x) for x in rng.integers(4, 256, n)]} for n in (70, 9)]
+    sp = dict(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=3)
+    want = run(1, [ps], sp, model=mtp_model_dir)
+    got = run(2, [ps], sp, model=mtp_model_dir, speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')
+    assert [r[0] for r in got] == [r[0] for r in want] and all(len(r[0]) == 40 for r in got)
+
+
 def test_each_rank_reads_only_its_slices(tiny_model_dir):
     """Loading with TP 2 reads each rank's slices: their bytes add up to the checkpoint plus the
     replicated tensors once more, and every parameter is the matching slice of the TP 1 one."""

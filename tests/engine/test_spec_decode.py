@@ -4,6 +4,8 @@ prefix hits, preemption and n > 1; stop strings that end inside accepted drafts;
 unchanged; rejection sampling keeps the target's distribution; and after every step the SWA
 blocks and prefix hashes follow the accepted tokens only, all blocks free at the end."""
 
+import time
+
 import numpy as np
 import paddle
 import pytest
@@ -234,3 +236,27 @@ def test_rejection_sampling_keeps_the_target_distribution(rng):
     for t in toks:  # accepted while equal, then one more
         a = next((j for j in range(3) if t[j] != drafts[j]), 3) if len(t) == 4 else len(t) - 1
         assert len(t) == a + 1 and t[:a] == drafts[:a]
+
+
+def test_metrics_and_the_interval_log_line(mtp_model_dir, rng, caplog):
+    from fastdeploy.engine.metrics import LOG_INTERVAL_S, EngineMetrics
+
+    eng = engine(mtp_model_dir, 2)
+    drive(eng, {0: [("m", [int(x) for x in rng.integers(4, 256, 20)], {"temperature": 0.0, "max_tokens": 30}, None)]})
+    s = eng.spec
+    text = EngineMetrics(eng).render().decode()
+    for name, v in (
+        ("num_drafts", s.num_drafts),
+        ("num_draft_tokens", s.num_draft_tokens),
+        ("num_accepted_tokens", s.num_accepted_tokens),
+    ):
+        assert f"fastdeploy:spec_decode_{name}_total {float(v)}" in text
+    assert (
+        f'fastdeploy:spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} {float(s.accepted_per_pos[1])}'
+        in text
+    )
+    with caplog.at_level("INFO", logger="fastdeploy"):
+        s.maybe_log(time.monotonic() + LOG_INTERVAL_S + 1)
+    want = f"mean accepted length {1 + s.num_accepted_tokens / s.num_drafts:.2f}, {s.num_drafts} verify steps"
+    assert want in caplog.text
+    assert "spec_decode" not in EngineMetrics(engine(mtp_model_dir, 0)).render().decode()
