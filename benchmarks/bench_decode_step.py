@@ -9,6 +9,12 @@ and the full layer's bf16 cache write are torch ops, as paddle ops are in the mo
 TP all-reduces (two a layer), the embedding.
 
     python benchmarks/bench_decode_step.py [--json OUT] [--quick]
+    python benchmarks/bench_decode_step.py --verify-k 1,2,3 [--json OUT]
+
+``--verify-k``: MTP's verify step (docs/design.md §4.16) against the 1-token decode step, at TP 8,
+context 4K: B requests with k drafts run B * (k + 1) query tokens through the layer (graph
+replay). Each query token reads its own window here; in a verify step a request's k + 1 tokens
+read nearly the same keys, so this bounds the attention's cost from above.
 """
 
 from __future__ import annotations
@@ -324,6 +330,30 @@ def head_and_sampler_ms(B: int, tp: int, g: torch.Generator) -> float:
     return events_ms(step)
 
 
+def verify_rows(a, g: torch.Generator) -> None:
+    """One layer's verify step (B * (k + 1) tokens) against its 1-token decode step (B tokens)."""
+    ks = [int(k) for k in a.verify_k.split(",")]
+    rows = []
+    print("| TP | B | ctx | layer | decode ms | " + " | ".join(f"k={k} ms (x decode)" for k in ks) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(ks))
+    for B in (1, 8, 32):
+        for swa in (True, False):
+            base = layer_case(B, 8, 4096, swa, a.window, g)
+            row = {"B": B, "kind": base["kind"], "decode_ms": base["graph_ms"]}
+            cells = []
+            for k in ks:
+                r = layer_case(B * (k + 1), 8, 4096, swa, a.window, g)
+                row[f"verify_k{k}_ms"] = r["graph_ms"]
+                cells.append(f"{r['graph_ms']:.3f} ({r['graph_ms'] / base['graph_ms']:.2f}x)")
+            rows.append(row)
+            print(
+                f"| 8 | {B} | 4096 | {base['kind']} | {base['graph_ms']:.3f} | " + " | ".join(cells) + " |", flush=True
+            )
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"verify": rows, "window": a.window}, fh)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -331,8 +361,12 @@ def main() -> None:
     ap.add_argument("--swa-fraction", type=float, default=0.5, help="share of the 61 layers that are SWA")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--breakdown", default=None, metavar="TP,B,CTX,KIND", help="print one layer's kernel times")
+    ap.add_argument("--verify-k", default=None, metavar="K,...", help="time MTP verify steps of k drafts instead")
     a = ap.parse_args()
     g = torch.Generator(device=DEV).manual_seed(0)
+    if a.verify_k:
+        verify_rows(a, g)
+        return
     if a.breakdown:
         tp, B, ctx, kind = a.breakdown.split(",")
         layer = Layer(int(B), int(tp), int(ctx), kind == "swa", a.window, g)
