@@ -23,7 +23,8 @@ import os
 
 import numpy as np
 
-from fastdeploy.entrypoints.llm import LLM
+from fastdeploy.engine.args import EngineArgs
+from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.model_executor.models import deepseek_v3_reference as ref
 from fastdeploy.model_executor.tiny_checkpoint import tiny_weights, write_safetensors
 from fastdeploy.sampling_params import SamplingParams
@@ -38,12 +39,15 @@ def greedy_sequences(model_dir: str, seed: int, n: int, prompt_len: int, gen_len
     """n seeded random prompts of ``prompt_len`` tokens, each with ``gen_len`` greedy tokens after it."""
     rng = np.random.default_rng(seed)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(*PROMPT_TOKENS, prompt_len)]} for _ in range(n)]
-    llm = LLM(model_dir, max_num_seqs=n, block_size=16)
+    eng = LLMEngine(EngineArgs(model=model_dir, max_num_seqs=n, block_size=16))
+    sp = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True))
+        reqs = [eng.add_request(p["prompt_token_ids"], sp, f"fit{i}") for i, p in enumerate(prompts)]
+        while eng.has_unfinished_requests():
+            eng.step()
     finally:
-        llm.engine.shutdown()
-    return [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+        eng.shutdown()
+    return [r.prompt_token_ids + r.output_token_ids for r in reqs]
 
 
 class _Data:
