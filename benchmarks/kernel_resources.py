@@ -159,7 +159,7 @@ def cases():
             "X": "*bf16",
             "Codes": "*u8",
             "Scales": "*fp32",
-            **{n: "i32" for n in ("M", "K", "sx", "sc", "ss")},
+            **{n: "i32" for n in ("M", "K", "sx", "sc", "ss_m")},
             "FP8_BLOCK_": "constexpr",
         },
         {"FP8_BLOCK_": 128},
