@@ -220,6 +220,12 @@ def case(
         row["before_rel_err"] = rel(prev(codes_u8), want)
         row["before_ms"] = bench(lambda: prev(codes_u8))
         row["before_tflops"] = flops / row["before_ms"] / 1e9
+    if M > 64:  # GPU time without the eager launch cost, which bounds the M 512 rows
+        for k, fn in (("ours", ours), ("deepgemm", dg), ("before", prev if before is not None else None)):
+            if fn is not None:
+                row[f"{k}_graph_ms"] = graph_ms(fn, codes_u8)
+                row[f"{k}_graph_tflops"] = flops / row[f"{k}_graph_ms"] / 1e9
+        row["bf16_graph_ms"] = graph_ms(lambda wi: x @ wi.T, w_bf16)
     row["bf16_gbps"] = (N * K * 2 + M * K * 2 + M * N * 2) / row["bf16_ms"] / 1e6
     if M <= 64:
         row["ours_graph_ms"] = graph_ms(ours, codes_u8)
@@ -395,6 +401,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true", help="tile configs instead (kernel rows only)")
+    ap.add_argument("--tma-sweep", action="store_true", help="the TMA kernel's tiles and accumulator forms")
     ap.add_argument("--moe-sweep", action="store_true", help="fused MoE tile configs (kernel rows only)")
     ap.add_argument("--small-sweep", action="store_true", help="M <= 64 tile / split configs, graph replays")
     ap.add_argument("--gemm-only", action="store_true", help="skip the fused MoE rows")
@@ -434,6 +441,25 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
+        return
+    if args.tma_sweep:  # the TMA kernel's tiles, with and without the rescaled accumulator
+        sweep_only = True
+        rows = []
+        tiles = [(128, 128, 8, 4), (128, 128, 8, 3), (256, 128, 8, 3), (256, 128, 8, 4), (128, 64, 4, 4)]
+        for name, M in (("o_proj", 4096), ("dense_gate_up", 4096), ("expert_down", 4096), ("o_proj", 512)):
+            N, K = SHAPES[name]
+            for (bm, bn, w, st), rs in product(tiles, (False, True)):
+                cfg = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "split_k": 1}
+                cfg |= {"fuse_quant": False, "tma": True, "rescale": rs}
+                try:
+                    rows.append(case(name, N, K, M, g, cfg))
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    rows.append({"shape": name, "M": M, "config": cfg, "error": repr(e)[:150]})
+                r = rows[-1]
+                print(name, M, cfg, r.get("rel_err"), r.get("ours_tflops"), r.get("error", ""), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "tma_sweep": rows}, f, indent=1)
         return
     if args.sweep:
         sweep_only = True
@@ -510,6 +536,7 @@ def main() -> None:
         lead = f"{'fp8' if r['fp8'] else 'bf16':>9} {r['T']:9} {'y' if r['correct'] else 'N':>9} "
         print(lead + " ".join(f"{v:9.3f}" for v in vals))
     print_small(res["gemm"])
+    print_large(res["gemm"])
     if args.compare:
         with open(args.compare) as f:
             sys.exit(compare(json.load(f), res))
@@ -531,6 +558,20 @@ def print_small(rows: list) -> None:
         vals = (o * 1e3, r.get("ours_graph_gbps", nan), b * 1e3, q1 * 1e3, q2 * 1e3, f * 1e3, d * 1e3, f / o, b / o)
         vals += (d / o, r.get("ours_ms", nan) * 1e3, r.get("before_ms", nan) * 1e3)
         print(f"{r['shape']:>14} {r['M']:9} " + " ".join(f"{v:9.2f}" for v in vals))
+
+
+def print_large(rows: list) -> None:
+    """The M > 64 rows as graph replays (GPU time, no launch cost): ms, TFLOP/s, ratios."""
+    nan = float("nan")
+    print("M > 64 as CUDA-graph replays (ms; TFLOP/s of ours; ratios x / ours)")
+    head = ("shape", "M", "ours", "TFLOP/s", "before", "bf16", "deepgemm", "DG TF/s", "vs before", "vs bf16", "vs DG")
+    print(" ".join(f"{h:>14}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
+    for r in rows:
+        if r["M"] <= 64 or "ours_graph_ms" not in r:
+            continue
+        o, b, f, d = (r.get(f"{k}_graph_ms", nan) for k in ("ours", "before", "bf16", "deepgemm"))
+        vals = (o, r["ours_graph_tflops"], b, f, d, r.get("deepgemm_graph_tflops", nan), b / o, f / o, d / o)
+        print(f"{r['shape']:>14} {r['M']:9} " + " ".join(f"{v:9.3f}" for v in vals))
 
 
 def row_key(r: dict) -> tuple:

@@ -199,14 +199,17 @@ def test_ties_round_to_even_inside_the_gemm():
     np.testing.assert_array_equal(out.numpy().astype(np.float64), e4m3_round(x.astype(np.float64)))
 
 
-@pytest.mark.parametrize("M, N, K", [(130, 300, 304), (3, 200, 144)])
-def test_tma_path_matches_float64(M, N, K, rng):
+@pytest.mark.parametrize("rescale", [False, True], ids=["promote", "rescale"])
+@pytest.mark.parametrize("M, N, K", [(130, 300, 304), (3, 200, 400)])
+def test_tma_path_matches_float64(M, N, K, rescale, rng):
     """The tensor-descriptor GEMM (M >= 128 on the GPU) on shapes that are not tile multiples: rows
     and columns past the edge masked, K past the last full block read as zeros, outputs
-    NaN-poisoned first; M-major activation scales equal the row-major ones transposed."""
+    NaN-poisoned first; M-major activation scales equal the row-major ones transposed. K blocks
+    differ in magnitude by up to 1e6, so the rescaled accumulator's ratios go both ways."""
     from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant, tuned_config
 
     x, codes, scale = make(rng, M, N, K)
+    x *= np.repeat(10.0 ** rng.uniform(-3, 3, -(-K // 128)), 128)[:K].astype(np.float32)
     xt = paddle.to_tensor(x)
     a, a_s = quantize_activations_ref(xt)
     a_t = paddle.empty([M, K], "uint8")
@@ -214,7 +217,7 @@ def test_tma_path_matches_float64(M, N, K, rng):
     launch_act_quant(xt, a_t, s_t, m_major=True)
     np.testing.assert_array_equal(a_t.numpy(), a.numpy())
     np.testing.assert_array_equal(s_t.numpy(), a_s.numpy().T)
-    cfg = {**tuned_config(4096, 4096, 4096), "num_stages": 1}
+    cfg = {**tuned_config(4096, 4096, 4096), "num_stages": 1, "rescale": rescale}
     assert cfg["tma"]
     out = paddle.full([M, N], float("nan"), "float32")
     launch_w8a8_gemm(a_t, s_t, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
