@@ -401,7 +401,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true", help="tile configs instead (kernel rows only)")
-    ap.add_argument("--tma-sweep", action="store_true", help="the TMA kernel's tiles and accumulator forms")
     ap.add_argument("--moe-sweep", action="store_true", help="fused MoE tile configs (kernel rows only)")
     ap.add_argument("--small-sweep", action="store_true", help="M <= 64 tile / split configs, graph replays")
     ap.add_argument("--gemm-only", action="store_true", help="skip the fused MoE rows")
@@ -441,25 +440,6 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
-        return
-    if args.tma_sweep:  # the TMA kernel's tiles, with and without the rescaled accumulator
-        sweep_only = True
-        rows = []
-        tiles = [(128, 128, 8, 4), (128, 128, 8, 3), (256, 128, 8, 3), (256, 128, 8, 4), (128, 64, 4, 4)]
-        for name, M in (("o_proj", 4096), ("dense_gate_up", 4096), ("expert_down", 4096), ("o_proj", 512)):
-            N, K = SHAPES[name]
-            for (bm, bn, w, st), rs in product(tiles, (False, True)):
-                cfg = {"block_m": bm, "block_n": bn, "num_warps": w, "num_stages": st, "split_k": 1}
-                cfg |= {"fuse_quant": False, "tma": True, "rescale": rs}
-                try:
-                    rows.append(case(name, N, K, M, g, cfg))
-                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                    rows.append({"shape": name, "M": M, "config": cfg, "error": repr(e)[:150]})
-                r = rows[-1]
-                print(name, M, cfg, r.get("rel_err"), r.get("ours_tflops"), r.get("error", ""), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "tma_sweep": rows}, f, indent=1)
         return
     if args.sweep:
         sweep_only = True

@@ -199,13 +199,12 @@ def test_ties_round_to_even_inside_the_gemm():
     np.testing.assert_array_equal(out.numpy().astype(np.float64), e4m3_round(x.astype(np.float64)))
 
 
-@pytest.mark.parametrize("rescale", [False, True], ids=["promote", "rescale"])
 @pytest.mark.parametrize("M, N, K", [(130, 300, 304), (3, 200, 400)])
-def test_tma_path_matches_float64(M, N, K, rescale, rng):
+def test_tma_path_matches_float64(M, N, K, rng):
     """The tensor-descriptor GEMM (M >= 128 on the GPU) on shapes that are not tile multiples: rows
     and columns past the edge masked, K past the last full block read as zeros, outputs
     NaN-poisoned first; M-major activation scales equal the row-major ones transposed. K blocks
-    differ in magnitude by up to 1e6, so the rescaled accumulator's ratios go both ways."""
+    differ in magnitude by up to 1e6."""
     from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant, tuned_config
 
     x, codes, scale = make(rng, M, N, K)
@@ -217,7 +216,7 @@ def test_tma_path_matches_float64(M, N, K, rescale, rng):
     launch_act_quant(xt, a_t, s_t, m_major=True)
     np.testing.assert_array_equal(a_t.numpy(), a.numpy())
     np.testing.assert_array_equal(s_t.numpy(), a_s.numpy().T)
-    cfg = {**tuned_config(4096, 4096, 4096), "num_stages": 1, "rescale": rescale}
+    cfg = {**tuned_config(4096, 4096, 4096), "num_stages": 1}
     assert cfg["tma"]
     out = paddle.full([M, N], float("nan"), "float32")
     launch_w8a8_gemm(a_t, s_t, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
