@@ -105,7 +105,8 @@ def gemm_fn(mod, x: torch.Tensor, N: int, ws: torch.Tensor, cfg: dict | None = N
     M, K = x.shape
     cfg = cfg or mod.tuned_config(M, N, K)
     a = torch.empty(M, K, device=DEV, dtype=torch.uint8)
-    a_s = torch.empty(M, K // 128, device=DEV)
+    tma = bool(cfg.get("tma"))  # M-major activation scales
+    a_s = torch.empty(K // 128, M, device=DEV) if tma else torch.empty(M, K // 128, device=DEV)
     out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
     sk = cfg["split_k"]
     part = torch.empty(sk, M, N, device=DEV) if sk > 1 else None
@@ -116,7 +117,10 @@ def gemm_fn(mod, x: torch.Tensor, N: int, ws: torch.Tensor, cfg: dict | None = N
         if cfg.get("fuse_quant"):
             a_in, a_s_in = x, None
         else:
-            mod.launch_act_quant(x, a, a_s)
+            if tma:
+                mod.launch_act_quant(x, a, a_s, m_major=True)
+            else:
+                mod.launch_act_quant(x, a, a_s)
             a_in, a_s_in = a, a_s
         if new_api:
             mod.launch_w8a8_gemm(a_in, a_s_in, wi, ws, out, cfg, part, counters)
@@ -210,6 +214,18 @@ def case(
         if f"{k}_ms" in row:
             row[f"{k}_tflops"] = flops / row[f"{k}_ms"] / 1e9
     row["ours_gbps"] = (N * K + M * K * 2 + M * N * 2) / row["ours_ms"] / 1e6
+    if before is not None and M > 64:  # eager, as ours above
+        prev = gemm_fn(before, x, N, ws)
+        row["before_config"] = prev.cfg
+        row["before_rel_err"] = rel(prev(codes_u8), want)
+        row["before_ms"] = bench(lambda: prev(codes_u8))
+        row["before_tflops"] = flops / row["before_ms"] / 1e9
+    if M > 64:  # GPU time without the eager launch cost, which bounds the M 512 rows
+        for k, fn in (("ours", ours), ("deepgemm", dg), ("before", prev if before is not None else None)):
+            if fn is not None:
+                row[f"{k}_graph_ms"] = graph_ms(fn, codes_u8)
+                row[f"{k}_graph_tflops"] = flops / row[f"{k}_graph_ms"] / 1e9
+        row["bf16_graph_ms"] = graph_ms(lambda wi: x @ wi.T, w_bf16)
     row["bf16_gbps"] = (N * K * 2 + M * K * 2 + M * N * 2) / row["bf16_ms"] / 1e6
     if M <= 64:
         row["ours_graph_ms"] = graph_ms(ours, codes_u8)
@@ -388,6 +404,7 @@ def main() -> None:
     ap.add_argument("--moe-sweep", action="store_true", help="fused MoE tile configs (kernel rows only)")
     ap.add_argument("--small-sweep", action="store_true", help="M <= 64 tile / split configs, graph replays")
     ap.add_argument("--gemm-only", action="store_true", help="skip the fused MoE rows")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="the GEMM rows' M values, comma-separated")
     ap.add_argument("--before", help="an earlier fp8_gemm_kernel.py, timed beside ours at M <= 64")
     ap.add_argument("--compare", help="an earlier --json result: each row's ratio to it, > 5%% slower flagged")
     ap.add_argument("--against", help="with --compare: this result instead of a new run (no GPU needed)")
@@ -462,7 +479,7 @@ def main() -> None:
     before = load_before(args.before) if args.before else None
     res = {"device": torch.cuda.get_device_name(), **ceilings(), "gemm": []}
     for name, (N, K) in SHAPES.items():
-        for M in MS:
+        for M in map(int, args.ms.split(",")):
             res["gemm"].append(case(name, N, K, M, g, before=before))
             print(json.dumps(res["gemm"][-1]), flush=True)
     res["moe"] = []
@@ -480,13 +497,14 @@ def main() -> None:
         f"copy {res['copy_gbps']:.0f} GB/s"
     )
     head = ("shape", "M", "ok", "ours ms", "TFLOP/s", "GB/s", "bf16 ms", "scaled_mm", "deepgemm", "DG TF/s")
-    head += ("vs bf16", "vs s_mm", "vs DG", "graph x")
+    head += ("vs bf16", "vs s_mm", "vs DG", "graph x", "before ms", "vs before")
     print(" ".join(f"{h:>14}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
     nan = float("nan")
     for r in res["gemm"]:
         sm, dg = r.get("scaled_mm_ms", nan), r.get("deepgemm_ms", nan)
         vals = (r["ours_ms"], r["ours_tflops"], r["ours_gbps"], r["bf16_ms"], sm, dg, r.get("deepgemm_tflops", nan))
         vals += (r["bf16_ms"] / r["ours_ms"], sm / r["ours_ms"], dg / r["ours_ms"], r.get("graph_speedup", nan))
+        vals += (r.get("before_ms", nan), r.get("before_ms", nan) / r["ours_ms"])
         lead = f"{r['shape']:>14} {r['M']:9} {'y' if r['correct'] else 'N':>9} "
         print(lead + " ".join(f"{v:9.3f}" for v in vals))
     print("fused MoE, 256 experts top-8, 7168 -> 2048 -> 7168 (ceiling: bf16 or FP8 row-wise of this run)")
@@ -498,6 +516,7 @@ def main() -> None:
         lead = f"{'fp8' if r['fp8'] else 'bf16':>9} {r['T']:9} {'y' if r['correct'] else 'N':>9} "
         print(lead + " ".join(f"{v:9.3f}" for v in vals))
     print_small(res["gemm"])
+    print_large(res["gemm"])
     if args.compare:
         with open(args.compare) as f:
             sys.exit(compare(json.load(f), res))
@@ -519,6 +538,20 @@ def print_small(rows: list) -> None:
         vals = (o * 1e3, r.get("ours_graph_gbps", nan), b * 1e3, q1 * 1e3, q2 * 1e3, f * 1e3, d * 1e3, f / o, b / o)
         vals += (d / o, r.get("ours_ms", nan) * 1e3, r.get("before_ms", nan) * 1e3)
         print(f"{r['shape']:>14} {r['M']:9} " + " ".join(f"{v:9.2f}" for v in vals))
+
+
+def print_large(rows: list) -> None:
+    """The M > 64 rows as graph replays (GPU time, no launch cost): ms, TFLOP/s, ratios."""
+    nan = float("nan")
+    print("M > 64 as CUDA-graph replays (ms; TFLOP/s of ours; ratios x / ours)")
+    head = ("shape", "M", "ours", "TFLOP/s", "before", "bf16", "deepgemm", "DG TF/s", "vs before", "vs bf16", "vs DG")
+    print(" ".join(f"{h:>14}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
+    for r in rows:
+        if r["M"] <= 64 or "ours_graph_ms" not in r:
+            continue
+        o, b, f, d = (r.get(f"{k}_graph_ms", nan) for k in ("ours", "before", "bf16", "deepgemm"))
+        vals = (o, r["ours_graph_tflops"], b, f, d, r.get("deepgemm_graph_tflops", nan), b / o, f / o, d / o)
+        print(f"{r['shape']:>14} {r['M']:9} " + " ".join(f"{v:9.3f}" for v in vals))
 
 
 def row_key(r: dict) -> tuple:

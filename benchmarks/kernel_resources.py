@@ -159,7 +159,7 @@ def cases():
             "X": "*bf16",
             "Codes": "*u8",
             "Scales": "*fp32",
-            **{n: "i32" for n in ("M", "K", "sx", "sc", "ss")},
+            **{n: "i32" for n in ("M", "K", "sx", "sc", "ss_m", "ss_k")},
             "FP8_BLOCK_": "constexpr",
         },
         {"FP8_BLOCK_": 128},
@@ -194,6 +194,25 @@ def cases():
             },
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )
+    big = gemm.tuned_config(4096, 36864, 7168)
+    yield (
+        f"w8a8_gemm_tma m{big['block_m']} n{big['block_n']}",
+        gemm._w8a8_gemm_tma_kernel,
+        {
+            "a_desc": f"tensordesc<fp8e4nv[{big['block_m']}, 128]>",
+            "b_desc": f"tensordesc<fp8e4nv[{big['block_n']}, 128]>",
+            "AS": "*fp32",
+            "BS": "*fp32",
+            "C": "*bf16",
+            **{n: "i32" for n in ("M", "N", "K", "sas_m", "sas_k", "sbs")},
+            "BLOCK_M": "constexpr",
+            "BLOCK_N": "constexpr",
+            "GROUP_M": "constexpr",
+            "DOT_FP8": "constexpr",
+        },
+        {"BLOCK_M": big["block_m"], "BLOCK_N": big["block_n"], "GROUP_M": 8, "DOT_FP8": True},
+        {"num_warps": big["num_warps"], "num_stages": big["num_stages"]},
+    )
     tiles = {"EPS": sampler.SAMPLING_EPS, "BLOCK": 2048}
     yield (
         "sampler_prepare",

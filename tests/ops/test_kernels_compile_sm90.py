@@ -32,6 +32,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
         "mla_prefill",
         "fp8_act_quant",
         "w8a8_gemm",
+        "w8a8_gemm_tma",
         "sampler_prepare",
         "sampler_cuts",
         "sampler_compact",

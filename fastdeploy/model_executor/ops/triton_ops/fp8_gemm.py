@@ -60,8 +60,10 @@ def w8a8_block_linear(x: paddle.Tensor, weight: paddle.Tensor, scale: paddle.Ten
     if cfg["fuse_quant"]:
         a, a_s = x.contiguous(), None
     else:
-        a, a_s = paddle.empty([M, K], "uint8"), paddle.empty([M, _blocks(K)], "float32")
-        launch_act_quant(x, a, a_s)
+        tma = bool(cfg.get("tma"))
+        a = paddle.empty([M, K], "uint8")
+        a_s = paddle.empty([_blocks(K), M] if tma else [M, _blocks(K)], "float32")
+        launch_act_quant(x, a, a_s, m_major=tma)
     out = paddle.empty([M, N], x.dtype)
     part = paddle.empty([cfg["split_k"], M, N], "float32") if cfg["split_k"] > 1 else None
     launch_w8a8_gemm(a, a_s, weight, scale, out, cfg, part, split_counters(x.place) if part is not None else None)

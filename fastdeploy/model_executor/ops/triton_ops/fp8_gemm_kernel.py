@@ -16,6 +16,11 @@ ws [ceil(N/128), ceil(K/128)] (the real weight is code * scale per 128 x 128 blo
    way ``_act_quant_kernel`` does, in every N tile, saving a launch. On the GPU the e4m3 code
    comes from the hardware conversion (round to nearest, ties to even, as ``_e4m3_byte``); the
    software rounding there made this path ALU-bound, up to 5x slower at M = 64 (issue 22).
+4. ``_w8a8_gemm_tma_kernel`` (M >= 128): the same math with both operands brought in by tensor
+   descriptors (TMA) as e4m3, tiles in grouped order (GROUP_M row tiles share a weight tile in
+   L2) and activation scales read M-major ([ceil(K/128), M], one coalesced row a K block). On the
+   H200 this took dense gate_up at M = 4096 from 570 to 893 TFLOP/s; warp specialization and
+   persistent tiles added nothing (benchmarks/results/h200_2026-12-04_fp8_large_m_sweep.json).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ _FLOOR = tl.constexpr(SCALE_FLOOR)
 
 
 @triton.jit
-def _act_quant_kernel(X, Codes, Scales, M, K, sx, sc, ss, FP8_BLOCK_: tl.constexpr):
+def _act_quant_kernel(X, Codes, Scales, M, K, sx, sc, ss_m, ss_k, FP8_BLOCK_: tl.constexpr):
     """One program: one token's 128 columns of block kb -> codes uint8 and a float32 scale."""
     m = tl.program_id(0)
     kb = tl.program_id(1)
@@ -43,7 +48,7 @@ def _act_quant_kernel(X, Codes, Scales, M, K, sx, sc, ss, FP8_BLOCK_: tl.constex
     s = tl.maximum(tl.max(tl.abs(x), 0), _FLOOR) / _FMAX
     q = tl.minimum(tl.maximum(x / s, -_FMAX), _FMAX)
     tl.store(Codes + m.to(tl.int64) * sc + cols, _e4m3_byte(q), mask=ok)
-    tl.store(Scales + m.to(tl.int64) * ss + kb, s)
+    tl.store(Scales + m.to(tl.int64) * ss_m + kb * ss_k, s)
 
 
 @triton.jit
@@ -127,6 +132,53 @@ def _w8a8_gemm_kernel(
         tl.store(dst, acc.to(C.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _w8a8_gemm_tma_kernel(
+    a_desc,
+    b_desc,
+    AS,
+    BS,
+    C,
+    M,
+    N,
+    K,
+    sas_m,
+    sas_k,
+    sbs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_FP8: tl.constexpr,
+):
+    """a_desc / b_desc: e4m3 [M, K] / [N, K] descriptors with [BLOCK_M, 128] / [BLOCK_N, 128]
+    blocks (reads past the edge are zeros); one program a BLOCK_M x BLOCK_N tile of C (BLOCK_N
+    <= 128: one weight scale a K block). Each K block's dot starts from zero and is promoted into
+    the float32 accumulator with its scales: the tensor cores' FP8 accumulation keeps ~14 bits,
+    so accumulating in place across K blocks (rescaling the accumulator by c_{k-1} / c_k) was 3x
+    less accurate on the H200 (h200_2026-12-04_fp8_tma_sweep.json, its form in commit 1493a7d)."""
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    t = tl.program_id(0)
+    first = t // (GROUP_M * num_n) * GROUP_M
+    size = tl.minimum(num_m - first, GROUP_M)
+    pid_m = first + (t % (GROUP_M * num_n)) % size
+    pid_n = (t % (GROUP_M * num_n)) // size
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < M
+    nb = (pid_n * BLOCK_N) // 128
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(tl.cdiv(K, 128)):
+        a = a_desc.load([pid_m * BLOCK_M, kb * 128])
+        b = b_desc.load([pid_n * BLOCK_N, kb * 128])
+        if not DOT_FP8:  # the interpreter: exact products in float32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        a_s = tl.load(AS + rows * sas_m + kb * sas_k, mask=r_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * (a_s * tl.load(BS + nb * sbs + kb))[:, None]
+    ok = r_ok[:, None] & (cols < N)[None, :]
+    tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty), mask=ok)
+
+
 def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
     """Tile, split-K and where the activations are quantized, from H200 sweeps. M >= 128
     (benchmarks/results/h200_2026-12-03_fp8_gemm_sweep.json): 128 x 128 tiles on 8 warps with 5
@@ -140,10 +192,14 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
     M 17..64: the float32 partials are 4x larger and every N tile re-reads the activations from
     L2, so only long K splits, to one wave, on 128-wide tiles (o_proj 7168 x 16384: 54.9 us
     against 80.0 on 64-wide ones), and the activations are quantized once by their own launch
-    (in every N tile they cost 2-3x)."""
+    (in every N tile they cost 2-3x). "tma": ``_w8a8_gemm_tma_kernel``, which wants M-major
+    activation scales (``launch_act_quant(..., m_major=True)``)."""
     n_kb = triton.cdiv(K, FP8_BLOCK)
-    if M >= 128:
-        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1, "fuse_quant": False}
+    if M >= 128:  # TMA where the rows are 16-byte aligned (issue 22: 893 against 570 TFLOP/s)
+        cfg = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1, "fuse_quant": False}
+        # Below 2^33 M N K the eager launch's host cost (two descriptors) outweighs the gain:
+        # expert down at M 512 took 0.167 ms against 0.118 (h200_2026-12-04_fp8_gemm_tma.json).
+        return {**cfg, "num_stages": 4, "tma": True} if K % 16 == 0 and M * N * K >= 2**33 else cfg
     block_m = max(16, triton.next_power_of_2(M))
     tiles64 = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
     long_k = n_kb >= 32
@@ -161,15 +217,26 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
     return {**cfg, "fuse_quant": M <= 16}
 
 
-def launch_act_quant(x, codes, scales) -> None:
+def launch_act_quant(x, codes, scales, m_major: bool = False) -> None:
     """x [M, K] (bf16 / float32, rows may be strided) -> codes uint8 [M, K], scales float32
-    [M, ceil(K / 128)]."""
+    [M, ceil(K / 128)], or [ceil(K / 128), M] with ``m_major`` (the TMA GEMM's layout)."""
     M, K = int(x.shape[0]), int(x.shape[1])
     if M == 0:
         return
     grid = (M, triton.cdiv(K, FP8_BLOCK))
     launch(
-        _act_quant_kernel, grid, x, codes, scales, M, K, stride(x, 0), stride(codes, 0), stride(scales, 0), FP8_BLOCK
+        _act_quant_kernel,
+        grid,
+        x,
+        codes,
+        scales,
+        M,
+        K,
+        stride(x, 0),
+        stride(codes, 0),
+        1 if m_major else stride(scales, 0),
+        stride(scales, 0) if m_major else 1,
+        FP8_BLOCK,
     )
 
 
@@ -179,6 +246,7 @@ SPLIT_COUNTERS = 8192  # the most tiles a split GEMM may have (M <= 64: 36864 / 
 def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None, counters=None) -> None:
     """a uint8 [M, K] codes with a_s float32 [M, ceil(K/128)], b uint8 [N, K], b_s float32
     [ceil(N/128), ceil(K/128)] -> out [M, N] (contiguous, bf16 / float32).
+    cfg["tma"]: a_s is M-major, float32 [ceil(K/128), M], and K a multiple of 16.
     a_s None: a holds the activations (bf16 / float32), quantized inside the GEMM in every N tile
     (tuned_config's "fuse_quant", for M <= 16).
     cfg["split_k"] > 1 needs part float32 [split_k, M, N] for the partials and counters int32
@@ -194,6 +262,9 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None, counters=None) -
             f"w8a8 gemm: split_k {split} leaves a split empty for {n_kb} K blocks, or block_n "
             f"{cfg['block_n']} does not divide 128"
         )
+    if cfg.get("tma"):
+        _launch_tma(a, a_s, b, b_s, out, cfg)
+        return
     grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]), split)
     if split > 1:
         if split * M * N >= 2**31:
@@ -227,6 +298,53 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None, counters=None) -
         DOT_FP8=not interpret_mode(),
         QUANT_A=a_s is None,
         SPLIT=split > 1,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def _e4m3_view(x):
+    """uint8 codes as an e4m3 tensor of the same memory (a torch view in the interpreter)."""
+    if type(x).__module__.startswith("paddle"):
+        if interpret_mode():
+            import torch
+
+            return torch.from_dlpack(x).view(torch.float8_e4m3fn)
+        import paddle
+
+        return x.view(paddle.float8_e4m3fn)
+    import torch
+
+    return x.view(torch.float8_e4m3fn)
+
+
+def _launch_tma(a, a_s, b, b_s, out, cfg: dict) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K, N = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
+    if a_s is None or K % 16 or list(a_s.shape) != [triton.cdiv(K, FP8_BLOCK), M]:
+        raise ValueError(f"w8a8 gemm (tma): needs codes with K % 16 == 0 and M-major scales [{K // 128}, {M}]")
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    a_desc = TensorDescriptor(_e4m3_view(a), [M, K], [stride(a, 0), 1], [bm, FP8_BLOCK])
+    b_desc = TensorDescriptor(_e4m3_view(b), [N, K], [stride(b, 0), 1], [bn, FP8_BLOCK])
+    launch(
+        _w8a8_gemm_tma_kernel,
+        (triton.cdiv(M, bm) * triton.cdiv(N, bn),),
+        a_desc,
+        b_desc,
+        a_s,
+        b_s,
+        out,
+        M,
+        N,
+        K,
+        1,
+        M,
+        stride(b_s, 0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        GROUP_M=8,
+        DOT_FP8=not interpret_mode(),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
