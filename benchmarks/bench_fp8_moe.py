@@ -336,12 +336,15 @@ def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float, cfg: d
                 ws1=w["w1_s"],
                 w3=w["w3"],
                 ws3=w["w3_s"],
+                **cfg,
             )
             launch_act_quant(inter_buf, ic, ics)
-            launch_moe_gemm(ic, w["w2"], y, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w)
+            launch_moe_gemm(
+                ic, w["w2"], y, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg
+            )
         else:
-            launch_moe_gemm(x, w["w1_bf16"], inter_buf, sorted_ids, block_expert, N, K, bm, w3=w["w3_bf16"])
-            launch_moe_gemm(inter_buf, w["w2_bf16"], y, sorted_ids, block_expert, N, K, bm, top_w=top_w)
+            launch_moe_gemm(x, w["w1_bf16"], inter_buf, sorted_ids, block_expert, N, K, bm, w3=w["w3_bf16"], **cfg)
+            launch_moe_gemm(inter_buf, w["w2_bf16"], y, sorted_ids, block_expert, N, K, bm, top_w=top_w, **cfg)
         return y.view(T, K, H).sum(1)
 
     def naive():
@@ -416,21 +419,24 @@ def main() -> None:
     if args.moe_sweep:
         sweep_only = True
         w, rows = moe_weights(g), []
-        for T in (1, 64, 4096):
-            for fp8 in (False, True):
-                for bm, bn, nw, ns in (
-                    (None, 64, 4, 3),
-                    (None, 32, 4, 3),
-                    (None, 128, 4, 3),
-                    (None, 128, 8, 3),
-                    (None, 64, 4, 4),
-                    (64, 128, 8, 4),
-                    (128, 128, 8, 3),
-                    (128, 64, 8, 4),
+        for T in (64, 4096):  # FP8; w_tma: the weights through tensor descriptors
+            for fp8 in (True,):
+                for bm, bn, nw, ns, tma in (
+                    (None, 64, 4, 3, False),
+                    (None, 128, 8, 3, False),
+                    (64, 128, 4, 4, False),
+                    (None, 64, 4, 3, True),
+                    (None, 64, 4, 4, True),
+                    (None, 128, 8, 3, True),
+                    (None, 128, 8, 4, True),
+                    (64, 128, 4, 4, True),
+                    (128, 128, 8, 3, True),
+                    (128, 128, 8, 4, True),
+                    (128, 64, 4, 4, True),
                 ):
                     if bm and T < 512:
                         continue
-                    cfg = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns}
+                    cfg = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "w_tma": tma}
                     try:
                         rows.append(moe_case(T, fp8, w, g, 1.0, cfg))
                     except Exception as e:  # noqa: BLE001 - e.g. out of shared memory

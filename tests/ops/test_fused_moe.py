@@ -129,6 +129,53 @@ def test_gated_gemm_writes_only_routed_rows(rng):
         np.testing.assert_allclose(got[entry], g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("block_n", [64, 32])
+def test_weight_descriptors_match_float64(block_n, rng):
+    """FP8 grouped GEMMs with the weights loaded through tensor descriptors (w_tma), both gated and
+    down, into NaN-filled outputs: each routed entry against float64 of the same quantized math.
+    inter 96 is not a multiple of block_n, so a tile's last rows come from the next expert's
+    weights and must not reach the output; unrouted rows stay NaN."""
+    from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant
+
+    T, H, inter, E, k = 7, 256, 96, 4, 2
+    x, ids, wts, codes, deq, scales = make(rng, T, H, inter, E, k, True)
+    ids[2] = -1  # token 2 routed nowhere here
+    N = T * k
+    sorted_ids, block_expert = moe_align(paddle.to_tensor(ids), E, 16)
+    t = paddle.to_tensor
+    a, a_s = paddle.empty([T, H], "uint8"), paddle.empty([T, H // 128], "float32")
+    launch_act_quant(t(x), a, a_s)
+    mid = paddle.full([N, inter], float("nan"), "float32")
+    w1, w3, w2 = (t(c) for c in codes)
+    s1, s3, s2 = (t(c) for c in scales)
+    launch_moe_gemm(
+        a, w1, mid, sorted_ids, block_expert, N, k, 16, a_s=a_s, ws1=s1, w3=w3, ws3=s3, block_n=block_n, w_tma=True
+    )
+    h = np.nan_to_num(mid.numpy())
+    b, b_s = paddle.empty([N, inter], "uint8"), paddle.empty([N, 1], "float32")
+    launch_act_quant(t(h), b, b_s)
+    y = paddle.full([N, H], float("nan"), "float32")
+    top_w = t(wts.reshape(-1))
+    launch_moe_gemm(
+        b, w2, y, sorted_ids, block_expert, N, k, 16, a_s=b_s, ws1=s2, top_w=top_w, block_n=block_n, w_tma=True
+    )
+    got_mid, got_y = mid.numpy(), y.numpy()
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    for entry in range(N):
+        tok, e = divmod(entry, k)
+        e = ids[tok, e]
+        if not 0 <= e < E:
+            assert np.isnan(got_mid[entry]).all() and np.isnan(got_y[entry]).all()
+            continue
+        xq = act_q(x[tok : tok + 1])
+        want = silu(xq @ deq[0][e].T) * (xq @ deq[1][e].T)
+        np.testing.assert_allclose(got_mid[entry], want[0], rtol=1e-4, atol=1e-5)
+        hq = act_q(h[entry : entry + 1])
+        np.testing.assert_allclose(got_y[entry], wts.reshape(-1)[entry] * (hq @ deq[2][e].T)[0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="w_tma needs FP8"):
+        launch_moe_gemm(t(x), t(deq[0].astype(np.float32)), mid, sorted_ids, block_expert, N, k, 16, w_tma=True)
+
+
 def bf16(a: np.ndarray, nearest: bool = True) -> np.ndarray:
     """Round float32 to bfloat16 (nearest, ties to even; or toward zero), back as float64."""
     u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)

@@ -303,7 +303,7 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None, counters=None) -
     )
 
 
-def _e4m3_view(x):
+def e4m3_view(x):
     """uint8 codes as an e4m3 tensor of the same memory (a torch view in the interpreter)."""
     if type(x).__module__.startswith("paddle"):
         if interpret_mode():
@@ -323,8 +323,8 @@ def _launch_tma(a, a_s, b, b_s, out, cfg: dict) -> None:
     if a_s is None or K % 16 or list(a_s.shape) != [triton.cdiv(K, FP8_BLOCK), M]:
         raise ValueError(f"w8a8 gemm (tma): needs codes with K % 16 == 0 and M-major scales [{K // 128}, {M}]")
     bm, bn = cfg["block_m"], cfg["block_n"]
-    a_desc = TensorDescriptor(_e4m3_view(a), [M, K], [stride(a, 0), 1], [bm, FP8_BLOCK])
-    b_desc = TensorDescriptor(_e4m3_view(b), [N, K], [stride(b, 0), 1], [bn, FP8_BLOCK])
+    a_desc = TensorDescriptor(e4m3_view(a), [M, K], [stride(a, 0), 1], [bm, FP8_BLOCK])
+    b_desc = TensorDescriptor(e4m3_view(b), [N, K], [stride(b, 0), 1], [bn, FP8_BLOCK])
     launch(
         _w8a8_gemm_tma_kernel,
         (triton.cdiv(M, bm) * triton.cdiv(N, bn),),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import e4m3_view
 from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode, launch, stride
 
 
@@ -33,19 +34,25 @@ def _tile_dot(
     c_ok,
     k0,
     Kdim,
+    w_row,
     FP8: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_LOW: tl.constexpr,
+    W_TMA: tl.constexpr,
 ):
     """acc + A[:, k0:k0+BLOCK_K] . W[:, k0:k0+BLOCK_K]^T (FP8: scaled by the row's and the weight
-    block's scales); a_ptr / w_ptr point at column 0 of each row."""
+    block's scales); a_ptr / w_ptr point at column 0 of each row. W_TMA: w_ptr is an e4m3
+    descriptor of all experts' rows [E * n, K] and the tile starts at its row w_row."""
     kk = k0 + tl.arange(0, BLOCK_K)
     k_ok = kk < Kdim
     a = tl.load(a_ptr[:, None] + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0)
-    w = tl.load(w_ptr[:, None] + kk[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0)
     if FP8:
         a = a.to(tl.float8e4nv, bitcast=True)
-        w = w.to(tl.float8e4nv, bitcast=True)
+        if W_TMA:  # rows past this expert's n belong to the next one: their columns are not stored
+            w = w_ptr.load([w_row, k0])
+        else:
+            w = tl.load(w_ptr[:, None] + kk[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0)
+            w = w.to(tl.float8e4nv, bitcast=True)
         if not DOT_LOW:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -54,6 +61,7 @@ def _tile_dot(
         w_s = tl.load(w_s_ptr + k0 // 128)
         acc += part * (a_s * w_s)[:, None]
     else:
+        w = tl.load(w_ptr[:, None] + kk[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0)
         if DOT_LOW:
             a = a.to(tl.bfloat16)
             w = w.to(tl.bfloat16)
@@ -93,6 +101,7 @@ def _moe_gemm_kernel(
     GATED: tl.constexpr,
     FP8: tl.constexpr,
     DOT_LOW: tl.constexpr,
+    W_TMA: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     nt = tl.program_id(1)
@@ -107,15 +116,23 @@ def _moe_gemm_kernel(
     e64 = e.to(tl.int64)
     a_ptr = A + src * sa
     a_s_ptr = AS + src * sas
-    w1_ptr = W1 + e64 * sw_e + cols.to(tl.int64) * sw_n
-    w3_ptr = W3 + e64 * sw_e + cols.to(tl.int64) * sw_n
+    if W_TMA:
+        w1_ptr, w3_ptr = W1, W3
+    else:
+        w1_ptr = W1 + e64 * sw_e + cols.to(tl.int64) * sw_n
+        w3_ptr = W3 + e64 * sw_e + cols.to(tl.int64) * sw_n
+    w_row = e * Ndim + nt * BLOCK_N
     ws_row = e64 * sws_e + (nt * BLOCK_N // 128) * sws_n  # BLOCK_N divides 128 with FP8
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, Kdim, BLOCK_K):
-        acc1 = _tile_dot(acc1, a_ptr, w1_ptr, a_s_ptr, WS1 + ws_row, r_ok, c_ok, k0, Kdim, FP8, BLOCK_K, DOT_LOW)
+        acc1 = _tile_dot(
+            acc1, a_ptr, w1_ptr, a_s_ptr, WS1 + ws_row, r_ok, c_ok, k0, Kdim, w_row, FP8, BLOCK_K, DOT_LOW, W_TMA
+        )
         if GATED:
-            acc3 = _tile_dot(acc3, a_ptr, w3_ptr, a_s_ptr, WS3 + ws_row, r_ok, c_ok, k0, Kdim, FP8, BLOCK_K, DOT_LOW)
+            acc3 = _tile_dot(
+                acc3, a_ptr, w3_ptr, a_s_ptr, WS3 + ws_row, r_ok, c_ok, k0, Kdim, w_row, FP8, BLOCK_K, DOT_LOW, W_TMA
+            )
     if GATED:
         y = acc1 / (1.0 + tl.exp(-acc1)) * acc3  # silu(gate) * up
     else:
@@ -148,15 +165,23 @@ def launch_moe_gemm(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    w_tma: bool = False,
 ) -> None:
     """One grouped GEMM (see the module docstring); gated when ``w3`` is given. a [rows, K]: bf16 /
     float32, or uint8 codes with a_s float32 [rows, ceil(K/128)]; w1 / w3 [E, n, K]: bf16, or uint8
     codes with ws1 / ws3 float32 [E, ceil(n/128), ceil(K/128)]; out [N, n]; top_w float32 [N]
-    (down only)."""
+    (down only). w_tma (FP8, contiguous weights, K % 16 == 0): the weights come in through tensor
+    descriptors (TMA)."""
     fp8 = a_s is not None
     gated = w3 is not None
     Kdim, Ndim = int(a.shape[1]), int(w1.shape[1])
     unused = a  # pointer arguments a variant never reads
+    sw_e, sw_n = stride(w1, 0), stride(w1, 1)
+    if w_tma:
+        if not fp8 or Kdim % 16:
+            raise ValueError(f"moe gemm: w_tma needs FP8 weights with K % 16 == 0, got K {Kdim}")
+        w1 = _weight_desc(w1, block_n)
+        w3 = _weight_desc(w3, block_n) if gated else None
     launch(
         _moe_gemm_kernel,
         (int(block_expert.shape[0]), triton.cdiv(Ndim, block_n)),
@@ -176,8 +201,8 @@ def launch_moe_gemm(
         Ndim,
         stride(a, 0),
         stride(a_s, 0) if fp8 else 0,
-        stride(w1, 0),
-        stride(w1, 1),
+        sw_e,
+        sw_n,
         stride(ws1, 0) if fp8 else 0,
         stride(ws1, 1) if fp8 else 0,
         stride(out, 0),
@@ -187,6 +212,16 @@ def launch_moe_gemm(
         GATED=gated,
         FP8=fp8,
         DOT_LOW=not interpret_mode(),
+        W_TMA=w_tma,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+
+
+def _weight_desc(w, block_n: int):
+    """uint8 codes [E, n, K] (contiguous) -> an e4m3 descriptor of [E * n, K] in [block_n, 128]
+    blocks."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, n, K = (int(d) for d in w.shape)
+    return TensorDescriptor(e4m3_view(w.reshape([E * n, K])), [E * n, K], [K, 1], [block_n, 128])
