@@ -40,7 +40,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fastdeploy.model_executor.ops.triton_ops import fp8_gemm_kernel  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant  # noqa: E402
-from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import block_m_for, launch_moe_gemm  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa: E402
+    block_m_for,
+    launch_moe_gemm,
+    moe_tile_config,
+)
 
 DEV = "cuda"
 sweep_only = False
@@ -310,7 +314,7 @@ def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float, cfg: d
     ids = torch.randn(T, E, device=DEV, generator=g).topk(K, dim=1).indices
     wts = torch.rand(T, K, device=DEV, generator=g)
     N = T * K
-    cfg = dict(cfg or {})
+    cfg = dict(cfg) if cfg is not None else moe_tile_config(N, E, fp8, (H, inter))
     bm = cfg.pop("block_m", None) or block_m_for(N, E)
     inter_buf = torch.zeros(N, inter, device=DEV, dtype=torch.bfloat16)
     y = torch.zeros(N, H, device=DEV)

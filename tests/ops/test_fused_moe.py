@@ -9,7 +9,7 @@ from test_fp8_gemm import e4m3_round
 
 from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, quantize_fp8_blocks
 from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref, moe_align
-from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import launch_moe_gemm
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import launch_moe_gemm, moe_tile_config
 
 
 def act_q(x):
@@ -79,9 +79,11 @@ def make(rng, T, H, inter, E, top_k, fp8, route="random"):
         (37, 192, 96, 8, 3, "random"),
         (20, 128, 64, 6, 2, "one"),
         (9, 256, 128, 5, 4, "sparse"),
+        (40, 128, 96, 4, 4, "random"),  # 40 entries an expert: FP8 weights through descriptors
     ],
 )
 def test_matches_float64(impl, fp8, T, H, inter, E, top_k, route, rng):
+    assert moe_tile_config(T * top_k, E, fp8, (H, inter)).get("w_tma", False) == (fp8 and T == 40)
     x, ids, wts, ws, deq, scales = make(rng, T, H, inter, E, top_k, fp8, route)
     t = paddle.to_tensor
     args = [t(x), t(ids.astype(np.int64)), t(wts)] + [t(w) for w in ws] + ([t(s) for s in scales] if fp8 else [])

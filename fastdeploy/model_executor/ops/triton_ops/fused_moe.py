@@ -15,7 +15,7 @@ import paddle
 
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import w8a8_block_linear_ref
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant
-from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import block_m_for, launch_moe_gemm
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import block_m_for, launch_moe_gemm, moe_tile_config
 
 
 def moe_align(topk_ids: paddle.Tensor, num_experts: int, block_m: int) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -73,18 +73,21 @@ def fused_moe(
     bm = block_m_for(N, E)
     sorted_ids, block_expert = moe_align(topk_ids, E, bm)
     fp8 = s1 is not None
+    tiles = moe_tile_config(N, E, fp8, (H, inter_dim))
     x = x.contiguous()
     inter = paddle.zeros([N, inter_dim], x.dtype)
     if fp8:
         codes, scales = _quantized(x)
-        launch_moe_gemm(codes, w1, inter, sorted_ids, block_expert, N, K, bm, a_s=scales, ws1=s1, w3=w3, ws3=s3)
+        launch_moe_gemm(
+            codes, w1, inter, sorted_ids, block_expert, N, K, bm, a_s=scales, ws1=s1, w3=w3, ws3=s3, **tiles
+        )
         a2, a2_s = _quantized(inter)
     else:
         launch_moe_gemm(x, w1, inter, sorted_ids, block_expert, N, K, bm, w3=w3)
         a2, a2_s = inter, None
     y = paddle.zeros([N, H], "float32")
     top_w = topk_weights.astype("float32").flatten().contiguous()
-    launch_moe_gemm(a2, w2, y, sorted_ids, block_expert, N, K, bm, a_s=a2_s, ws1=s2, top_w=top_w)
+    launch_moe_gemm(a2, w2, y, sorted_ids, block_expert, N, K, bm, a_s=a2_s, ws1=s2, top_w=top_w, **tiles)
     return y.reshape([T, K, H]).sum(axis=1)
 
 
