@@ -307,6 +307,43 @@ def moe_weights(g: torch.Generator, E: int = 256, H: int = 7168, inter: int = 20
     return out
 
 
+def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
+    """ms of each launch of the FP8 fused MoE (tuned tiles) at T tokens, top-8, and their sum."""
+    E, inter, H = w["w1"].shape
+    K = 8
+    N = T * K
+    x = torch.randn(T, H, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.randn(T, E, device=DEV, generator=g).topk(K, dim=1).indices
+    top_w = torch.rand(N, device=DEV, generator=g)
+    cfg = moe_tile_config(N, E, True, (H, inter))
+    bm = block_m_for(N, E)
+    mid = torch.zeros(N, inter, device=DEV, dtype=torch.bfloat16)
+    y = torch.zeros(N, H, device=DEV)
+    xc, xs = torch.empty(T, H, device=DEV, dtype=torch.uint8), torch.empty(T, H // 128, device=DEV)
+    ic, ics = torch.empty(N, inter, device=DEV, dtype=torch.uint8), torch.empty(N, inter // 128, device=DEV)
+    sorted_ids, block_expert = moe_align_torch(ids, E, bm)
+    gu = dict(a_s=xs, ws1=w["w1_s"], w3=w["w3"], ws3=w["w3_s"], **cfg)
+    parts = {
+        "align": lambda: moe_align_torch(ids, E, bm),
+        "quant_x": lambda: launch_act_quant(x, xc, xs),
+        "gate_up": lambda: launch_moe_gemm(xc, w["w1"], mid, sorted_ids, block_expert, N, K, bm, **gu),
+        "quant_mid": lambda: launch_act_quant(mid, ic, ics),
+        "down": lambda: launch_moe_gemm(
+            ic, w["w2"], y, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg
+        ),
+        "zero_y": y.zero_,
+        "sum_topk": lambda: y.view(T, K, H).sum(1),
+    }
+    out = {"T": T, "config": cfg, "block_m": bm, "padded_rows": int((sorted_ids < N).numel())}
+    for name, fn in parts.items():
+        fn()
+        out[f"{name}_ms"] = bench(fn)
+    out["sum_ms"] = sum(v for k, v in out.items() if k.endswith("_ms"))
+    for name, flops in (("gate_up", 2 * N * 2 * inter * H), ("down", 2 * N * H * inter)):
+        out[f"{name}_tflops"] = flops / out[f"{name}_ms"] / 1e9
+    return out
+
+
 def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float, cfg: dict | None = None) -> dict:
     E, inter, H = w["w1"].shape
     K = 8
@@ -408,6 +445,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true", help="tile configs instead (kernel rows only)")
+    ap.add_argument("--moe-parts", action="store_true", help="the FP8 fused MoE's launches timed one by one")
     ap.add_argument("--moe-sweep", action="store_true", help="fused MoE tile configs (kernel rows only)")
     ap.add_argument("--small-sweep", action="store_true", help="M <= 64 tile / split configs, graph replays")
     ap.add_argument("--gemm-only", action="store_true", help="skip the fused MoE rows")
@@ -420,6 +458,11 @@ def main() -> None:
         with open(args.compare) as f, open(args.against) as g2:
             sys.exit(compare(json.load(f), json.load(g2)))
     g = torch.Generator(device=DEV).manual_seed(0)
+    if args.moe_parts:  # where the FP8 fused MoE's time goes, launch by launch
+        w = moe_weights(g)
+        for T in (4096,):
+            print(T, json.dumps(moe_parts(T, w, g)), flush=True)
+        return
     if args.moe_sweep:
         sweep_only = True
         w, rows = moe_weights(g), []
