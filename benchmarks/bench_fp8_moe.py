@@ -307,6 +307,19 @@ def moe_weights(g: torch.Generator, E: int = 256, H: int = 7168, inter: int = 20
     return out
 
 
+def replay_ms(fn, n: int = 20) -> float:
+    """ms a call of fn as one CUDA graph of n calls (no host launch cost)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    ms = bench(graph.replay) / n
+    del graph
+    return ms
+
+
 def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
     """ms of each launch of the FP8 fused MoE (tuned tiles) at T tokens, top-8, and their sum."""
     E, inter, H = w["w1"].shape
@@ -460,8 +473,28 @@ def main() -> None:
     g = torch.Generator(device=DEV).manual_seed(0)
     if args.moe_parts:  # where the FP8 fused MoE's time goes, launch by launch
         w = moe_weights(g)
+        before = load_before(args.before) if args.before else None
+        res = {"device": torch.cuda.get_device_name(), "moe_parts": [], "act_quant": []}
         for T in (4096,):
-            print(T, json.dumps(moe_parts(T, w, g)), flush=True)
+            res["moe_parts"].append(moe_parts(T, w, g))
+            print(T, json.dumps(res["moe_parts"][-1]), flush=True)
+        for M in (1, 64, 512, 4096, 32768):  # graph replays of 20 launches (GPU time)
+            for K in (7168, 2048):
+                x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+                codes, sc = torch.empty(M, K, device=DEV, dtype=torch.uint8), torch.empty(M, K // 128, device=DEV)
+                row = {"M": M, "K": K}
+                for name, mod in (("ours", fp8_gemm_kernel), ("before", before)):
+                    if mod is not None:
+                        row[f"{name}_us"] = replay_ms(lambda m=mod: m.launch_act_quant(x, codes, sc)) * 1e3  # noqa: B023 - run at once
+                        row[f"{name}_codes"] = codes.clone()
+                if before is not None:
+                    row["bitwise_equal_before"] = bool(torch.equal(row["ours_codes"], row["before_codes"]))
+                row.pop("ours_codes", None), row.pop("before_codes", None)
+                res["act_quant"].append(row)
+                print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
         return
     if args.moe_sweep:
         sweep_only = True

@@ -161,8 +161,9 @@ def cases():
             "Scales": "*fp32",
             **{n: "i32" for n in ("M", "K", "sx", "sc", "ss_m", "ss_k")},
             "FP8_BLOCK_": "constexpr",
+            "ROWS": "constexpr",
         },
-        {"FP8_BLOCK_": 128},
+        {"FP8_BLOCK_": 128, "ROWS": 16},
         {},
     )
     small = gemm.tuned_config(1, 7168, 16384)
