@@ -92,6 +92,7 @@ class Linear8:
 
     def __init__(self, n: int, k: int, m: int, g: torch.Generator) -> None:
         self.w, self.ws = fp8_weight(n, k, g)
+        self.shape = (m, n, k)
         self.cfg = tuned_config(m, n, k)
         self.out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
         self.a = torch.empty(m, k, device=DEV, dtype=torch.uint8)
@@ -99,6 +100,10 @@ class Linear8:
         sk = self.cfg["split_k"]
         self.part = torch.empty(sk, m, n, device=DEV) if sk > 1 else None
         self.counters = torch.zeros(SPLIT_COUNTERS, device=DEV, dtype=torch.int32)
+
+    def set_captured(self, captured: bool) -> None:
+        """The config a captured step takes (``tuned_config(..., captured=True)``) or the eager one."""
+        self.cfg = tuned_config(*self.shape, captured=captured)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg["fuse_quant"]:
@@ -175,6 +180,11 @@ class Layer:
         self.hc = torch.empty(N, inter, device=DEV, dtype=torch.uint8)
         self.hs = torch.empty(N, inter // 128, device=DEV)
         self.y = torch.empty(N, HIDDEN, device=DEV)
+
+    def set_captured(self, captured: bool) -> None:
+        for lin in vars(self).values():
+            if isinstance(lin, Linear8):
+                lin.set_captured(captured)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         B, H = self.B, self.H
@@ -261,12 +271,8 @@ def kernel_sum_ms(fn, iters: int = 5) -> float:
     return total / 1e3 / iters
 
 
-def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Generator) -> dict:
-    layer = Layer(B, tp, ctx, swa, window, g)
-    x = (torch.randn(B, HIDDEN, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
-    out = layer(x)
-    finite = bool(torch.isfinite(out.float()).all())
-    eager = events_ms(lambda: layer(x))
+def replay_ms(layer, x: torch.Tensor) -> float:
+    """ms a replay of the layer captured as one CUDA graph."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -275,9 +281,25 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
         layer(x)
-    replay = events_ms(graph.replay)
+    ms = events_ms(graph.replay)
+    del graph
+    return ms
+
+
+def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Generator) -> dict:
+    """Eager with the engine's configs; graph replay and kernel sum with the captured configs
+    (``tuned_config(..., captured=True)``), and graph replay with the eager ones beside them."""
+    layer = Layer(B, tp, ctx, swa, window, g)
+    x = (torch.randn(B, HIDDEN, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
+    out = layer(x)
+    finite = bool(torch.isfinite(out.float()).all())
+    eager = events_ms(lambda: layer(x))
+    replay_eager_cfg = replay_ms(layer, x)
+    layer.set_captured(True)
+    finite &= bool(torch.isfinite(layer(x).float()).all())
+    replay = replay_ms(layer, x)
     ksum = kernel_sum_ms(lambda: layer(x))
-    graph = layer = None  # free the weights and caches before the next case
+    layer = None  # free the weights and caches before the next case
     torch.cuda.empty_cache()
     return {
         "B": B,
@@ -286,6 +308,7 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
         "kind": "swa" if swa else "full",
         "eager_ms": eager,
         "graph_ms": replay,
+        "graph_eager_cfg_ms": replay_eager_cfg,
         "kernel_sum_ms": ksum,
         "graph_speedup": eager / replay,
         "graph_vs_kernel_sum": replay / ksum,
@@ -360,6 +383,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2048, help="SWA layers' window")
     ap.add_argument("--swa-fraction", type=float, default=0.5, help="share of the 61 layers that are SWA")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tp", default="1,8", help="TP sizes, comma-separated")
+    ap.add_argument("--batches", default=None, help="batch sizes, comma-separated")
     ap.add_argument("--breakdown", default=None, metavar="TP,B,CTX,KIND", help="print one layer's kernel times")
     ap.add_argument("--verify-k", default=None, metavar="K,...", help="time MTP verify steps of k drafts instead")
     a = ap.parse_args()
@@ -381,11 +406,14 @@ def main() -> None:
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
         return
-    batches = (1, 8, 64) if a.quick else (1, 8, 32, 128, 256)
+    batches = (
+        tuple(int(b) for b in a.batches.split(",")) if a.batches else (1, 8, 64) if a.quick else (1, 8, 32, 128, 256)
+    )
     rows, proj = [], []
-    print("| TP | B | ctx | layer | eager ms | graph ms | kernel sum ms | eager/graph | graph/kernel sum |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for tp in (1, 8):
+    cols = ("eager ms", "graph ms", "graph ms, eager configs", "kernel sum ms", "eager/graph", "graph/kernel sum")
+    print("| TP | B | ctx | layer | " + " | ".join(cols) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for tp in tuple(int(t) for t in a.tp.split(",")):
         for ctx in (4096, 32768):
             for B in batches:
                 if B * ctx > 256 * 4096 * 4 and tp == 1:
@@ -397,28 +425,34 @@ def main() -> None:
                     per[r["kind"]] = r
                     print(
                         f"| {tp} | {B} | {ctx} | {r['kind']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
-                        f"{r['kernel_sum_ms']:.3f} | {r['graph_speedup']:.2f} | {r['graph_vs_kernel_sum']:.2f} |",
+                        f"{r['graph_eager_cfg_ms']:.3f} | {r['kernel_sum_ms']:.3f} | {r['graph_speedup']:.2f} | "
+                        f"{r['graph_vs_kernel_sum']:.2f} |",
                         flush=True,
                     )
                 tail = head_and_sampler_ms(B, tp, g)
                 f = a.swa_fraction
                 layer_ms = f * per["swa"]["graph_ms"] + (1 - f) * per["full"]["graph_ms"]
                 tpot = LAYERS * layer_ms + tail
+                eager_cfg = f * per["swa"]["graph_eager_cfg_ms"] + (1 - f) * per["full"]["graph_eager_cfg_ms"]
                 proj.append(
                     {
                         "tp": tp,
                         "B": B,
                         "ctx": ctx,
                         "tpot_ms": tpot,
+                        "tpot_eager_cfg_ms": LAYERS * eager_cfg + tail,
                         "tok_s_per_gpu": B / tpot * 1e3 / tp,
                         "tail_ms": tail,
                     }
                 )
     print("\nProjected decode (61 layers, graph replay, + LM head and sampler; no all-reduce):")
-    print("| TP | B | ctx | ms / output token | tokens/s per GPU |")
-    print("|---|---|---|---|---|")
+    print("| TP | B | ctx | ms / output token | with the eager configs | tokens/s per GPU |")
+    print("|---|---|---|---|---|---|")
     for p in proj:
-        print(f"| {p['tp']} | {p['B']} | {p['ctx']} | {p['tpot_ms']:.2f} | {p['tok_s_per_gpu']:.0f} |")
+        print(
+            f"| {p['tp']} | {p['B']} | {p['ctx']} | {p['tpot_ms']:.2f} | {p['tpot_eager_cfg_ms']:.2f} | "
+            f"{p['tok_s_per_gpu']:.0f} |"
+        )
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"layers": rows, "projection": proj, "window": a.window, "swa_fraction": a.swa_fraction}, fh)

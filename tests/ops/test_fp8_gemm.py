@@ -137,6 +137,9 @@ def test_small_m_config_fills_the_machine(M, N, K):
     if tiles >= 2 * 132:
         assert cfg["split_k"] == 1
     assert tuned_config(4096, N, K)["split_k"] == 1
+    # eager decode (M <= 16) saves a launch by quantizing inside the GEMM; a captured step does not
+    assert cfg["fuse_quant"] == (M <= 16) and not tuned_config(M, N, K, captured=True)["fuse_quant"]
+    assert {**tuned_config(M, N, K, captured=True), "fuse_quant": cfg["fuse_quant"]} == cfg
 
 
 def test_bad_weights_named(rng):

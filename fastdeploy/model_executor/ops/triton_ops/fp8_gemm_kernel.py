@@ -183,7 +183,7 @@ def _w8a8_gemm_tma_kernel(
     tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty), mask=ok)
 
 
-def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
+def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = False) -> dict:
     """Tile, split-K and where the activations are quantized, from H200 sweeps. M >= 128
     (benchmarks/results/h200_2026-12-03_fp8_gemm_sweep.json): 128 x 128 tiles on 8 warps with 5
     stages (dense gate_up, M 4096: 3.78 ms against 4.06 with 3 stages). M <= 64
@@ -197,7 +197,9 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
     L2, so only long K splits, to one wave, on 128-wide tiles (o_proj 7168 x 16384: 54.9 us
     against 80.0 on 64-wide ones), and the activations are quantized once by their own launch
     (in every N tile they cost 2-3x). "tma": ``_w8a8_gemm_tma_kernel``, which wants M-major
-    activation scales (``launch_act_quant(..., m_major=True)``)."""
+    activation scales (``launch_act_quant(..., m_major=True)``). ``captured``: the GEMM runs
+    inside a CUDA graph, where a launch costs no host time, so M <= 16 also quantizes by its own
+    launch (o_proj M 1: 41.9 against 51.1 us as graph replays, h200_2026-12-04_fp8_gemm_tma_final)."""
     n_kb = triton.cdiv(K, FP8_BLOCK)
     if M >= 128:  # TMA where the rows are 16-byte aligned (issue 22: 893 against 570 TFLOP/s)
         cfg = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1, "fuse_quant": False}
@@ -218,7 +220,7 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132) -> dict:
         split *= 2
     split = triton.cdiv(n_kb, triton.cdiv(n_kb, split))  # every split gets K blocks
     cfg = {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 4, "split_k": split}
-    return {**cfg, "fuse_quant": M <= 16}
+    return {**cfg, "fuse_quant": M <= 16 and not captured}
 
 
 def launch_act_quant(x, codes, scales, m_major: bool = False) -> None:
