@@ -29,6 +29,9 @@ from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     fp8_gemm_kernel as gemm,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
+    fused_moe_kernel as moe,
+)
+from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     mla_fp8_cache_kernel as fp8,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
@@ -213,6 +216,21 @@ def cases():
         },
         {"BLOCK_M": big["block_m"], "BLOCK_N": big["block_n"], "GROUP_M": 8, "DOT_FP8": True},
         {"num_warps": big["num_warps"], "num_stages": big["num_stages"]},
+    )
+    yield (
+        "moe_align",
+        moe._moe_align_kernel,
+        {
+            "Ids": "*i64",
+            "SortedIds": "*i32",
+            "BlockExpert": "*i32",
+            **{n: "i32" for n in ("N", "E", "P")},
+            "BLOCK_M": "constexpr",
+            "BLOCK_E": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        {"BLOCK_M": 16, "BLOCK_E": 256, "BLOCK": 32},
+        {"num_warps": 4},
     )
     tiles = {"EPS": sampler.SAMPLING_EPS, "BLOCK": 2048}
     yield (

@@ -111,6 +111,39 @@ def test_align_sorts_and_pads_by_expert(rng):
     assert (block_expert[: len(got)] >= 0).all() and (block_expert[len(got) :] == -1).all()
 
 
+def numpy_align(ids, E, bm):
+    """sorted_ids / block_expert by the definition: experts in order, each expert's entries in
+    entry order, runs padded to bm with N, blocks past the runs -1."""
+    flat = ids.reshape(-1)
+    N = flat.size
+    P = -(-(N + E * (bm - 1)) // bm) * bm
+    sorted_ids, block_expert, at = np.full(P, N), np.full(P // bm, -1), 0
+    for e in range(E):
+        mine = np.flatnonzero(flat == e)
+        sorted_ids[at : at + mine.size] = mine
+        run = -(-mine.size // bm) * bm
+        block_expert[at // bm : (at + run) // bm] = e
+        at += run
+    return sorted_ids, block_expert
+
+
+@pytest.mark.parametrize(
+    "T, top_k, E, bm",
+    [(1, 8, 256, 16), (3, 2, 5, 4), (64, 8, 256, 16), (512, 8, 256, 16), (40, 4, 7, 64), (700, 8, 64, 64)],
+)
+def test_align_matches_numpy(T, top_k, E, bm, rng):
+    """moe_align against its definition in numpy: one Triton program up to ALIGN_KERNEL_MAX
+    entries, paddle ops above (700 x 8); other ranks' ids (-1, E, E + 5) skipped; outputs
+    poisoned first by the fresh allocation."""
+    ids = rng.integers(-1, E + 6, (T, top_k)) if E < 100 else rng.integers(0, E, (T, top_k))
+    if T == 64:
+        ids[:, 0] = 7  # one expert takes every token
+    sorted_ids, block_expert = (a.numpy() for a in moe_align(paddle.to_tensor(ids), E, bm))
+    want_ids, want_blocks = numpy_align(ids, E, bm)
+    np.testing.assert_array_equal(sorted_ids, want_ids)
+    np.testing.assert_array_equal(block_expert, want_blocks)
+
+
 def test_gated_gemm_writes_only_routed_rows(rng):
     """The first grouped GEMM into a NaN-filled output: routed entries get silu(x W1) * (x W3),
     every other row stays NaN."""

@@ -33,6 +33,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
         "fp8_act_quant",
         "w8a8_gemm",
         "w8a8_gemm_tma",
+        "moe_align",
         "sampler_prepare",
         "sampler_cuts",
         "sampler_compact",

@@ -15,16 +15,28 @@ import paddle
 
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import w8a8_block_linear_ref
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant
-from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import block_m_for, launch_moe_gemm, moe_tile_config
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (
+    ALIGN_KERNEL_MAX,
+    block_m_for,
+    launch_moe_align,
+    launch_moe_gemm,
+    moe_tile_config,
+)
 
 
 def moe_align(topk_ids: paddle.Tensor, num_experts: int, block_m: int) -> tuple[paddle.Tensor, paddle.Tensor]:
     """Sort the routed entries by expert, each expert's run padded to block_m, on the device (no
     host sync): -> sorted_ids int32 [P] (entry ids t * top_k + k; N = T * top_k marks padding) and
     block_expert int32 [P / block_m] (-1 for blocks past the last expert's run). P is the bound
-    N + E * (block_m - 1), rounded up to block_m, so the launch grid depends on shapes only."""
+    N + E * (block_m - 1), rounded up to block_m, so the launch grid depends on shapes only. Up to
+    ALIGN_KERNEL_MAX entries (decode) one Triton launch does it; above, paddle ops."""
     flat = topk_ids.flatten().astype("int64")
     N, E = flat.shape[0], num_experts
+    if N <= ALIGN_KERNEL_MAX:
+        P = -(-(N + E * (block_m - 1)) // block_m) * block_m
+        sorted_ids, block_expert = paddle.empty([P], "int32"), paddle.empty([P // block_m], "int32")
+        launch_moe_align(flat, E, block_m, sorted_ids, block_expert)
+        return sorted_ids, block_expert
     key = paddle.where((flat >= 0) & (flat < E), flat, paddle.full_like(flat, E))  # E: not on this rank
     counts = paddle.bincount(key, minlength=E + 1)[:E]
     padded = (counts + block_m - 1) // block_m * block_m

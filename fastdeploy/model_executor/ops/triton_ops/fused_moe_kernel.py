@@ -236,3 +236,67 @@ def _weight_desc(w, block_n: int):
 
     E, n, K = (int(d) for d in w.shape)
     return TensorDescriptor(e4m3_view(w.reshape([E * n, K])), [E * n, K], [K, 1], [block_n, 128])
+
+
+ALIGN_KERNEL_MAX = 4096  # routed entries up to which one program sorts them (decode sizes)
+
+
+@triton.jit
+def _moe_align_kernel(
+    Ids, SortedIds, BlockExpert, N, E, P, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One program: the routed entries (Ids int64 [N]; ids outside 0..E-1 are other ranks' and
+    skipped) sorted by expert, stable, each expert's run padded to BLOCK_M -> SortedIds int32 [P]
+    (N marks padding), BlockExpert int32 [P / BLOCK_M] (-1 past the last run). Entries go in
+    chunks of BLOCK against a one-hot [BLOCK, BLOCK_E]: a chunk entry's place is its expert's
+    start, plus the expert's entries in earlier chunks, plus those before it in the chunk."""
+    ex = tl.arange(0, BLOCK_E)
+    ex_ok = ex < E
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for s in range(0, N, BLOCK):
+        i = s + tl.arange(0, BLOCK)
+        e = tl.load(Ids + i, mask=i < N, other=-1)
+        counts += tl.sum(((e[:, None] == ex[None, :]) & ex_ok[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    for s in range(0, P, BLOCK):
+        j = s + tl.arange(0, BLOCK)
+        tl.store(SortedIds + j, N, mask=j < P)
+    for s in range(0, P // BLOCK_M, BLOCK):
+        b = s + tl.arange(0, BLOCK)
+        eb = tl.sum((((ends // BLOCK_M)[None, :] <= b[:, None]) & ex_ok[None, :]).to(tl.int32), 1)
+        tl.store(BlockExpert + b, tl.where(eb < E, eb, -1), mask=b < P // BLOCK_M)
+    tl.debug_barrier()  # the padding fill lands before any entry overwrites it
+    off = ends - padded
+    for s in range(0, N, BLOCK):
+        i = s + tl.arange(0, BLOCK)
+        e = tl.load(Ids + i, mask=i < N, other=-1)
+        hot = ((e[:, None] == ex[None, :]) & ex_ok[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, 0) - hot
+        dest = tl.sum(hot * (before + off[None, :]), 1)
+        tl.store(SortedIds + dest, i, mask=(i < N) & (e >= 0) & (e < E))
+        off += tl.sum(hot, 0)
+
+
+def launch_moe_align(ids, num_experts: int, block_m: int, sorted_ids, block_expert) -> None:
+    """ids int64 [N] (N <= ALIGN_KERNEL_MAX) -> sorted_ids int32 [P], block_expert int32
+    [P / block_m], as ``_moe_align_kernel`` says; one launch, no host sync."""
+    N, P = int(ids.shape[0]), int(sorted_ids.shape[0])
+    if N > ALIGN_KERNEL_MAX:
+        raise ValueError(f"moe align: {N} entries, the one-program kernel takes <= {ALIGN_KERNEL_MAX}")
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    block = max(16, min(64, triton.next_power_of_2(max(N, 1)), 8192 // block_e))
+    launch(
+        _moe_align_kernel,
+        (1,),
+        ids,
+        sorted_ids,
+        block_expert,
+        N,
+        num_experts,
+        P,
+        BLOCK_M=block_m,
+        BLOCK_E=block_e,
+        BLOCK=block,
+        num_warps=4,
+    )
