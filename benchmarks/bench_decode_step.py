@@ -45,6 +45,7 @@ from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa:
     launch_moe_gemm,
 )
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import launch_write_mla_fp8_cache  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.rms_norm_kernel import launch_rms_norm  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (  # noqa: E402
     CUT_DEPTHS,
     KMAX,
@@ -59,7 +60,13 @@ from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa
 from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import tuned_config as mla_config  # noqa: E402
 
 STEP_START = ["_swa_indexer_kernel", "_swa_indexer_kernel"]  # the step plans' window indices
-STEP_END = ["_prepare_kernel", "_cuts_kernel", "_compact_kernel", "_draw_kernel"]  # the device sampler
+STEP_END = [
+    "_rms_norm_kernel",
+    "_prepare_kernel",
+    "_cuts_kernel",
+    "_compact_kernel",
+    "_draw_kernel",
+]  # the device sampler
 
 DEV = "cuda"
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V = 7168, 1536, 512, 64, 128, 128
@@ -74,15 +81,18 @@ def linear_kernels(M: int) -> list[str]:
 
 
 def attn_kernels(M: int, swa: bool) -> list[str]:
-    """q_a, q_b, kv_a; the FP8 cache write (SWA layers); sparse MLA; o_proj."""
-    return linear_kernels(M) * 3 + (["_write_kernel"] if swa else []) + ["_sparse_mla_kernel"] + linear_kernels(M)
+    """input norm, q_a, q norm, q_b, kv_a, kv norm; the FP8 cache write (SWA layers); sparse MLA;
+    o_proj."""
+    norm, lin = ["_rms_norm_kernel"], linear_kernels(M)
+    return norm + lin + norm + lin + lin + norm + (["_write_kernel"] if swa else []) + ["_sparse_mla_kernel"] + lin
 
 
 def mlp_kernels(M: int, moe: bool) -> list[str]:
-    """The routed experts (MoE layers), then the dense MLP or shared expert: gate, up, down."""
+    """The post-attention norm, the routed experts (MoE layers), then the dense MLP or shared
+    expert: gate, up, down."""
     routed = ["_moe_align_kernel", "_act_quant_kernel", "_moe_gemm_kernel", "_act_quant_kernel", "_moe_gemm_kernel"]
     routed = routed if moe else []
-    return routed + linear_kernels(M) * 3
+    return ["_rms_norm_kernel"] + routed + linear_kernels(M) * 3
 
 
 def fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +129,13 @@ class Linear8:
         return self.out
 
 
-def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def rms(x: torch.Tensor, w: torch.Tensor, kernel: bool = True) -> torch.Tensor:
+    """The model's RMSNorm: one Triton launch, or (``kernel`` False) the elementwise ops of its
+    paddle form, the form before."""
+    if kernel:
+        out = torch.empty_like(x)
+        launch_rms_norm(x, w, out, 1e-6)
+        return out
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(torch.bfloat16)
 
@@ -189,6 +205,7 @@ class Layer:
         self.sorted_ids = torch.empty(P, device=DEV, dtype=torch.int32)
         self.block_expert = torch.empty(P // self.bm, device=DEV, dtype=torch.int32)
         self.align_kernel = True
+        self.rms_kernel = True
 
     def set_captured(self, captured: bool) -> None:
         for lin in vars(self).values():
@@ -197,10 +214,11 @@ class Layer:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         B, H = self.B, self.H
-        h = rms(x, self.norms[0])
-        q = self.q_b(rms(self.q_a(h), self.norms[1])).view(B, H, NOPE + ROPE)
+        k = self.rms_kernel
+        h = rms(x, self.norms[0], k)
+        q = self.q_b(rms(self.q_a(h), self.norms[1], k)).view(B, H, NOPE + ROPE)
         kv_a = self.kv_a(h)
-        kv_c = rms(kv_a[:, :KV_LORA], self.norms[2])
+        kv_c = rms(kv_a[:, :KV_LORA], self.norms[2], k)
         q_pe = rope(q[:, :, NOPE:], self.cos.unsqueeze(1), self.sin.unsqueeze(1))
         k_pe = rope(kv_a[:, KV_LORA:], self.cos, self.sin)
         q_lat = torch.bmm(q[:, :, :NOPE].transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, 512]
@@ -222,7 +240,7 @@ class Layer:
         )
         o = torch.bmm(self.attn_out.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(B, H * V)
         x = x + self.o(o.contiguous())
-        h = rms(x, self.norms[3])
+        h = rms(x, self.norms[3], k)
         scores = (h @ self.router.T).float().sigmoid()
         wts, ids = scores.topk(TOPK, dim=-1)
         if self.align_kernel:  # the model's form: one launch
@@ -312,8 +330,10 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
     finite &= bool(torch.isfinite(layer(x).float()).all())
     replay = replay_ms(layer, x)
     ksum = kernel_sum_ms(lambda: layer(x))
+    layer.rms_kernel = False
+    replay_torch_norm = replay_ms(layer, x)
     layer.align_kernel = False
-    replay_torch_align = replay_ms(layer, x)
+    replay_torch_align = replay_ms(layer, x)  # both torch forms: the layer before this round
     layer = None  # free the weights and caches before the next case
     torch.cuda.empty_cache()
     return {
@@ -324,6 +344,7 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
         "eager_ms": eager,
         "graph_ms": replay,
         "graph_eager_cfg_ms": replay_eager_cfg,
+        "graph_torch_norm_ms": replay_torch_norm,
         "graph_torch_align_ms": replay_torch_align,
         "kernel_sum_ms": ksum,
         "graph_speedup": eager / replay,
@@ -426,7 +447,8 @@ def main() -> None:
         tuple(int(b) for b in a.batches.split(",")) if a.batches else (1, 8, 64) if a.quick else (1, 8, 32, 128, 256)
     )
     rows, proj = [], []
-    cols = ("eager ms", "graph ms", "graph ms, eager configs", "graph ms, torch align", "kernel sum ms")
+    cols = ("eager ms", "graph ms", "graph ms, eager configs", "graph ms, torch norms", "graph ms, torch norms + align")
+    cols += ("kernel sum ms",)
     cols += ("eager/graph", "graph/kernel sum")
     print("| TP | B | ctx | layer | " + " | ".join(cols) + " |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -442,7 +464,8 @@ def main() -> None:
                     per[r["kind"]] = r
                     print(
                         f"| {tp} | {B} | {ctx} | {r['kind']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
-                        f"{r['graph_eager_cfg_ms']:.3f} | {r['graph_torch_align_ms']:.3f} | "
+                        f"{r['graph_eager_cfg_ms']:.3f} | {r['graph_torch_norm_ms']:.3f} | "
+                        f"{r['graph_torch_align_ms']:.3f} | "
                         f"{r['kernel_sum_ms']:.3f} | {r['graph_speedup']:.2f} | "
                         f"{r['graph_vs_kernel_sum']:.2f} |",
                         flush=True,
@@ -453,6 +476,7 @@ def main() -> None:
                 tpot = LAYERS * layer_ms + tail
                 eager_cfg = f * per["swa"]["graph_eager_cfg_ms"] + (1 - f) * per["full"]["graph_eager_cfg_ms"]
                 torch_align = f * per["swa"]["graph_torch_align_ms"] + (1 - f) * per["full"]["graph_torch_align_ms"]
+                torch_norm = f * per["swa"]["graph_torch_norm_ms"] + (1 - f) * per["full"]["graph_torch_norm_ms"]
                 proj.append(
                     {
                         "tp": tp,
@@ -460,18 +484,19 @@ def main() -> None:
                         "ctx": ctx,
                         "tpot_ms": tpot,
                         "tpot_eager_cfg_ms": LAYERS * eager_cfg + tail,
+                        "tpot_torch_norm_ms": LAYERS * torch_norm + tail,
                         "tpot_torch_align_ms": LAYERS * torch_align + tail,
                         "tok_s_per_gpu": B / tpot * 1e3 / tp,
                         "tail_ms": tail,
                     }
                 )
     print("\nProjected decode (61 layers, graph replay, + LM head and sampler; no all-reduce):")
-    print("| TP | B | ctx | ms / output token | with the eager configs | with torch align | tokens/s per GPU |")
-    print("|---|---|---|---|---|---|---|")
+    print("| TP | B | ctx | ms / token | eager configs | torch norms | torch norms + align | tokens/s per GPU |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in proj:
         print(
             f"| {p['tp']} | {p['B']} | {p['ctx']} | {p['tpot_ms']:.2f} | {p['tpot_eager_cfg_ms']:.2f} | "
-            f"{p['tpot_torch_align_ms']:.2f} | "
+            f"{p['tpot_torch_norm_ms']:.2f} | {p['tpot_torch_align_ms']:.2f} | "
             f"{p['tok_s_per_gpu']:.0f} |"
         )
     if a.json:

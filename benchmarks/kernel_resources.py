@@ -38,6 +38,9 @@ from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     mla_prefill_kernel as prefill,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
+    rms_norm_kernel as norm,
+)
+from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     sampling_kernel as sampler,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
@@ -216,6 +219,14 @@ def cases():
         },
         {"BLOCK_M": big["block_m"], "BLOCK_N": big["block_n"], "GROUP_M": 8, "DOT_FP8": True},
         {"num_warps": big["num_warps"], "num_stages": big["num_stages"]},
+    )
+    yield (
+        "rms_norm",
+        norm._rms_norm_kernel,
+        {"X": "*bf16", "W": "*fp32", "Y": "*bf16", **{n: "i32" for n in ("N", "sx", "sy")}, "eps": "fp32"}
+        | {"BLOCK": "constexpr"},
+        {"BLOCK": 8192},
+        {"num_warps": 8},
     )
     yield (
         "moe_align",

@@ -34,6 +34,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
         "w8a8_gemm",
         "w8a8_gemm_tma",
         "moe_align",
+        "rms_norm",
         "sampler_prepare",
         "sampler_cuts",
         "sampler_compact",

@@ -87,12 +87,12 @@ class DeepseekV3MLAAttention(nn.Layer):
         fp8, heads = fp8_linears(cfg, kernels), "num_attention_heads"
         if cfg.q_lora_rank:
             self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, dtype, fp8)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, kernels.triton)
             self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, nh * qk, tp, heads, dtype, fp8)
         else:
             self.q_proj = ColumnParallelLinear(h, nh * qk, tp, heads, dtype, fp8)
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, dtype, fp8)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, dtype, kernels.triton)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, nh * (self.nope + self.v_dim), tp, heads, dtype, fp8)
         self.o_proj = RowParallelLinear(nh * self.v_dim, h, tp, heads, dtype, fp8=fp8)
         self.w_uk = self.w_uv = None  # from kv_b_proj, by process_weights_after_loading
@@ -151,8 +151,8 @@ class DeepseekV3DecoderLayer(nn.Layer):
         self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, tp: TPGroup, kv_cache_dtype: str
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.triton)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.triton)
         self.self_attn = DeepseekV3MLAAttention(cfg, layer_id, dtype, kernels, tp, kv_cache_dtype)
         moe = cfg.n_routed_experts and layer_id >= cfg.first_k_dense_replace and layer_id % cfg.moe_layer_freq == 0
         fp8 = fp8_linears(cfg, kernels)
@@ -173,7 +173,7 @@ class DeepseekV3Model(nn.Layer):
         self.layers = nn.LayerList(
             [DeepseekV3DecoderLayer(cfg, i, dtype, kernels, tp, kv_cache_dtype) for i in range(cfg.num_hidden_layers)]
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.triton)
 
     def forward(self, meta: ForwardMeta, caches: list[paddle.Tensor]) -> paddle.Tensor:
         x = self.embed_tokens(meta.input_ids)
