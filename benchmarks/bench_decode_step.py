@@ -40,6 +40,7 @@ from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: 
     tuned_config,
 )
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa: E402
+    ALIGN_KERNEL_MAX,
     block_m_for,
     launch_moe_align,
     launch_moe_gemm,
@@ -90,7 +91,8 @@ def attn_kernels(M: int, swa: bool) -> list[str]:
 def mlp_kernels(M: int, moe: bool) -> list[str]:
     """The post-attention norm, the routed experts (MoE layers), then the dense MLP or shared
     expert: gate, up, down."""
-    routed = ["_moe_align_kernel", "_act_quant_kernel", "_moe_gemm_kernel", "_act_quant_kernel", "_moe_gemm_kernel"]
+    align = ["_moe_align_kernel"] if M * TOPK <= ALIGN_KERNEL_MAX else []  # else paddle ops
+    routed = align + ["_act_quant_kernel", "_moe_gemm_kernel", "_act_quant_kernel", "_moe_gemm_kernel"]
     routed = routed if moe else []
     return ["_rms_norm_kernel"] + routed + linear_kernels(M) * 3
 
@@ -243,7 +245,7 @@ class Layer:
         h = rms(x, self.norms[3], k)
         scores = (h @ self.router.T).float().sigmoid()
         wts, ids = scores.topk(TOPK, dim=-1)
-        if self.align_kernel:  # the model's form: one launch
+        if self.align_kernel and B * TOPK <= ALIGN_KERNEL_MAX:  # the model's form: one launch
             sorted_ids, block_expert = self.sorted_ids, self.block_expert
             launch_moe_align(ids.flatten(), EXPERTS, self.bm, sorted_ids, block_expert)
         else:  # the earlier form: torch ops (what moe_align did in paddle ops)

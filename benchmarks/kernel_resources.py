@@ -239,8 +239,9 @@ def cases():
             "BLOCK_M": "constexpr",
             "BLOCK_E": "constexpr",
             "BLOCK": "constexpr",
+            "FILL": "constexpr",
         },
-        {"BLOCK_M": 16, "BLOCK_E": 256, "BLOCK": 32},
+        {"BLOCK_M": 16, "BLOCK_E": 256, "BLOCK": 32, "FILL": 1024},
         {"num_warps": 4},
     )
     tiles = {"EPS": sampler.SAMPLING_EPS, "BLOCK": 2048}

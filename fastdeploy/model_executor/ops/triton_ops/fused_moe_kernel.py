@@ -238,12 +238,24 @@ def _weight_desc(w, block_n: int):
     return TensorDescriptor(e4m3_view(w.reshape([E * n, K])), [E * n, K], [K, 1], [block_n, 128])
 
 
-ALIGN_KERNEL_MAX = 4096  # routed entries up to which one program sorts them (decode sizes)
+# Routed entries up to which one program sorts them: on the H200 (h200_2026-12-04_moe_parts_align
+# .json) it beats the paddle-ops form's torch mirror up to 1024 entries (68 against 88 us) and
+# loses above (2048: 125 against 90), since its chunks run one after another.
+ALIGN_KERNEL_MAX = 1024
 
 
 @triton.jit
 def _moe_align_kernel(
-    Ids, SortedIds, BlockExpert, N, E, P, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK: tl.constexpr
+    Ids,
+    SortedIds,
+    BlockExpert,
+    N,
+    E,
+    P,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """One program: the routed entries (Ids int64 [N]; ids outside 0..E-1 are other ranks' and
     skipped) sorted by expert, stable, each expert's run padded to BLOCK_M -> SortedIds int32 [P]
@@ -259,8 +271,8 @@ def _moe_align_kernel(
         counts += tl.sum(((e[:, None] == ex[None, :]) & ex_ok[None, :]).to(tl.int32), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
-    for s in range(0, P, BLOCK):
-        j = s + tl.arange(0, BLOCK)
+    for s in range(0, P, FILL):
+        j = s + tl.arange(0, FILL)
         tl.store(SortedIds + j, N, mask=j < P)
     for s in range(0, P // BLOCK_M, BLOCK):
         b = s + tl.arange(0, BLOCK)
@@ -298,5 +310,6 @@ def launch_moe_align(ids, num_experts: int, block_m: int, sorted_ids, block_expe
         BLOCK_M=block_m,
         BLOCK_E=block_e,
         BLOCK=block,
+        FILL=1024,
         num_warps=4,
     )
