@@ -47,6 +47,7 @@ from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa:
 )
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import launch_write_mla_fp8_cache  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.rms_norm_kernel import launch_rms_norm  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.rotary_kernel import launch_rope  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (  # noqa: E402
     CUT_DEPTHS,
     KMAX,
@@ -85,7 +86,10 @@ def attn_kernels(M: int, swa: bool) -> list[str]:
     """input norm, q_a, q norm, q_b, kv_a, kv norm; the FP8 cache write (SWA layers); sparse MLA;
     o_proj."""
     norm, lin = ["_rms_norm_kernel"], linear_kernels(M)
-    return norm + lin + norm + lin + lin + norm + (["_write_kernel"] if swa else []) + ["_sparse_mla_kernel"] + lin
+    rope = ["_rope_kernel"]
+    return (
+        norm + lin + norm + lin + lin + norm + rope + (["_write_kernel"] if swa else []) + ["_sparse_mla_kernel"] + lin
+    )
 
 
 def mlp_kernels(M: int, moe: bool) -> list[str]:
@@ -208,6 +212,12 @@ class Layer:
         self.block_expert = torch.empty(P // self.bm, device=DEV, dtype=torch.int32)
         self.align_kernel = True
         self.rms_kernel = True
+        self.rope_kernel = True
+        self.pos = torch.full((B,), ctx - 1, device=DEV, dtype=torch.int64)
+        self.cos_table = torch.rand(ctx, ROPE // 2, device=DEV, generator=g)
+        self.sin_table = torch.rand(ctx, ROPE // 2, device=DEV, generator=g)
+        self.q_pe = torch.empty(B, H, ROPE, device=DEV, dtype=torch.bfloat16)
+        self.k_pe = torch.empty(B, ROPE, device=DEV, dtype=torch.bfloat16)
 
     def set_captured(self, captured: bool) -> None:
         for lin in vars(self).values():
@@ -221,8 +231,12 @@ class Layer:
         q = self.q_b(rms(self.q_a(h), self.norms[1], k)).view(B, H, NOPE + ROPE)
         kv_a = self.kv_a(h)
         kv_c = rms(kv_a[:, :KV_LORA], self.norms[2], k)
-        q_pe = rope(q[:, :, NOPE:], self.cos.unsqueeze(1), self.sin.unsqueeze(1))
-        k_pe = rope(kv_a[:, KV_LORA:], self.cos, self.sin)
+        if self.rope_kernel:  # the model's form: one launch
+            q_pe, k_pe = self.q_pe, self.k_pe
+            launch_rope(self.pos, q, kv_a, self.cos_table, self.sin_table, q_pe, k_pe)
+        else:  # the paddle form's elementwise ops
+            q_pe = rope(q[:, :, NOPE:], self.cos.unsqueeze(1), self.sin.unsqueeze(1))
+            k_pe = rope(kv_a[:, KV_LORA:], self.cos, self.sin)
         q_lat = torch.bmm(q[:, :, :NOPE].transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, 512]
         qa = torch.cat([q_lat, q_pe], -1).contiguous()
         if self.swa:
@@ -332,6 +346,8 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
     finite &= bool(torch.isfinite(layer(x).float()).all())
     replay = replay_ms(layer, x)
     ksum = kernel_sum_ms(lambda: layer(x))
+    layer.rope_kernel = False
+    replay_torch_rope = replay_ms(layer, x)
     layer.rms_kernel = False
     replay_torch_norm = replay_ms(layer, x)
     layer.align_kernel = False
@@ -346,6 +362,7 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
         "eager_ms": eager,
         "graph_ms": replay,
         "graph_eager_cfg_ms": replay_eager_cfg,
+        "graph_torch_rope_ms": replay_torch_rope,
         "graph_torch_norm_ms": replay_torch_norm,
         "graph_torch_align_ms": replay_torch_align,
         "kernel_sum_ms": ksum,
@@ -449,7 +466,7 @@ def main() -> None:
         tuple(int(b) for b in a.batches.split(",")) if a.batches else (1, 8, 64) if a.quick else (1, 8, 32, 128, 256)
     )
     rows, proj = [], []
-    cols = ("eager ms", "graph ms", "graph ms, eager configs", "graph ms, torch norms", "graph ms, torch norms + align")
+    cols = ("eager ms", "graph ms", "eager configs", "torch rope", "torch rope + norms", "torch rope + norms + sort")
     cols += ("kernel sum ms",)
     cols += ("eager/graph", "graph/kernel sum")
     print("| TP | B | ctx | layer | " + " | ".join(cols) + " |")
@@ -466,7 +483,8 @@ def main() -> None:
                     per[r["kind"]] = r
                     print(
                         f"| {tp} | {B} | {ctx} | {r['kind']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
-                        f"{r['graph_eager_cfg_ms']:.3f} | {r['graph_torch_norm_ms']:.3f} | "
+                        f"{r['graph_eager_cfg_ms']:.3f} | {r['graph_torch_rope_ms']:.3f} | "
+                        f"{r['graph_torch_norm_ms']:.3f} | "
                         f"{r['graph_torch_align_ms']:.3f} | "
                         f"{r['kernel_sum_ms']:.3f} | {r['graph_speedup']:.2f} | "
                         f"{r['graph_vs_kernel_sum']:.2f} |",
@@ -479,6 +497,7 @@ def main() -> None:
                 eager_cfg = f * per["swa"]["graph_eager_cfg_ms"] + (1 - f) * per["full"]["graph_eager_cfg_ms"]
                 torch_align = f * per["swa"]["graph_torch_align_ms"] + (1 - f) * per["full"]["graph_torch_align_ms"]
                 torch_norm = f * per["swa"]["graph_torch_norm_ms"] + (1 - f) * per["full"]["graph_torch_norm_ms"]
+                torch_rope = f * per["swa"]["graph_torch_rope_ms"] + (1 - f) * per["full"]["graph_torch_rope_ms"]
                 proj.append(
                     {
                         "tp": tp,
@@ -486,6 +505,7 @@ def main() -> None:
                         "ctx": ctx,
                         "tpot_ms": tpot,
                         "tpot_eager_cfg_ms": LAYERS * eager_cfg + tail,
+                        "tpot_torch_rope_ms": LAYERS * torch_rope + tail,
                         "tpot_torch_norm_ms": LAYERS * torch_norm + tail,
                         "tpot_torch_align_ms": LAYERS * torch_align + tail,
                         "tok_s_per_gpu": B / tpot * 1e3 / tp,
@@ -493,12 +513,12 @@ def main() -> None:
                     }
                 )
     print("\nProjected decode (61 layers, graph replay, + LM head and sampler; no all-reduce):")
-    print("| TP | B | ctx | ms / token | eager configs | torch norms | torch norms + align | tokens/s per GPU |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| TP | B | ctx | ms / token | eager configs | torch rope | + norms | + sort | tokens/s per GPU |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for p in proj:
         print(
             f"| {p['tp']} | {p['B']} | {p['ctx']} | {p['tpot_ms']:.2f} | {p['tpot_eager_cfg_ms']:.2f} | "
-            f"{p['tpot_torch_norm_ms']:.2f} | {p['tpot_torch_align_ms']:.2f} | "
+            f"{p['tpot_torch_rope_ms']:.2f} | {p['tpot_torch_norm_ms']:.2f} | {p['tpot_torch_align_ms']:.2f} | "
             f"{p['tok_s_per_gpu']:.0f} |"
         )
     if a.json:

@@ -41,6 +41,9 @@ from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     rms_norm_kernel as norm,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
+    rotary_kernel as rope,
+)
+from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     sampling_kernel as sampler,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
@@ -227,6 +230,23 @@ def cases():
         | {"BLOCK": "constexpr"},
         {"BLOCK": 8192},
         {"num_warps": 8},
+    )
+    yield (
+        "rope",
+        rope._rope_kernel,
+        {
+            "Q": "*bf16",
+            "K": "*bf16",
+            "Pos": "*i64",
+            "Cos": "*fp32",
+            "Sin": "*fp32",
+            "QOut": "*bf16",
+            "KOut": "*bf16",
+            **{n: "i32" for n in ("H", "max_pos", "q_off", "k_off", "sq_t", "sq_h", "sk_t")},
+            "HALF": "constexpr",
+        },
+        {"HALF": 32},
+        {"num_warps": 1},
     )
     yield (
         "moe_align",

@@ -35,6 +35,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
         "w8a8_gemm_tma",
         "moe_align",
         "rms_norm",
+        "rope",
         "sampler_prepare",
         "sampler_cuts",
         "sampler_compact",

@@ -13,6 +13,8 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from fastdeploy.model_executor.ops.triton_ops.rotary_kernel import launch_rope
+
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -57,10 +59,14 @@ def deepseek_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float
 
 
 class DeepseekRotaryEmbedding(nn.Layer):
-    """Applies rotary to q_pe [T, H, d] and k_pe [T, d] at absolute positions [T]."""
+    """Applies rotary to the last d columns of q [T, H, *] and k [T, *] at absolute positions
+    [T]; ``triton``: as one Triton launch (``ops/triton_ops/rotary_kernel.py``)."""
 
-    def __init__(self, dim: int, base: float, rope_scaling: dict | None, max_position: int) -> None:
+    def __init__(
+        self, dim: int, base: float, rope_scaling: dict | None, max_position: int, triton: bool = False
+    ) -> None:
         super().__init__()
+        self.dim, self.triton = dim, triton
         inv_freq, mscale = yarn_inv_freq(dim, base, rope_scaling)
         freqs = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
         self.max_position = max_position
@@ -72,7 +78,14 @@ class DeepseekRotaryEmbedding(nn.Layer):
         even, odd = xf[..., 0::2], xf[..., 1::2]  # de-interleave the pairs
         return paddle.concat([even * cos - odd * sin, odd * cos + even * sin], axis=-1).astype(x.dtype)
 
-    def forward(self, positions: paddle.Tensor, q_pe: paddle.Tensor, k_pe: paddle.Tensor):
+    def forward(self, positions: paddle.Tensor, q: paddle.Tensor, k: paddle.Tensor):
+        """-> q_pe [T, H, d], k_pe [T, d], rotated, in q's dtype."""
+        if self.triton:
+            q_pe = paddle.empty([q.shape[0], q.shape[1], self.dim], q.dtype)
+            k_pe = paddle.empty([k.shape[0], self.dim], q.dtype)
+            launch_rope(positions, q, k, self.cos, self.sin, q_pe, k_pe)
+            return q_pe, k_pe
+        q_pe, k_pe = q[:, :, -self.dim :], k[:, -self.dim :]
         # no host check here (a decode step never syncs): the engine keeps positions below
         # max_model_len <= max_position_embeddings (config check); padding rows sit at -1 or 0
         pos = positions.astype("int64").clip(min=0, max=self.max_position - 1)

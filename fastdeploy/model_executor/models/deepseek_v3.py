@@ -99,7 +99,9 @@ class DeepseekV3MLAAttention(nn.Layer):
 
         self.is_swa = cfg.is_swa_layer(layer_id)
         theta = cfg.swa_rope_theta if self.is_swa and cfg.swa_rope_theta else cfg.rope_theta
-        self.rotary_emb = DeepseekRotaryEmbedding(self.rope, theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.rotary_emb = DeepseekRotaryEmbedding(
+            self.rope, theta, cfg.rope_scaling, cfg.max_position_embeddings, kernels.triton
+        )
         self.attn_backend = attention_backend(cfg, layer_id, dtype, kernels, self.num_heads, kv_cache_dtype)
 
     def process_weights_after_loading(self) -> None:
@@ -119,7 +121,7 @@ class DeepseekV3MLAAttention(nn.Layer):
         q = q.reshape([T, self.num_heads, self.nope + self.rope])
         kv_a = self.kv_a_proj_with_mqa(hidden)
         kv_c = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
-        q_pe, k_pe = self.rotary_emb(meta.positions, q[:, :, self.nope :], kv_a[:, self.kv_lora_rank :])
+        q_pe, k_pe = self.rotary_emb(meta.positions, q, kv_a)
         if self.w_uk is None:  # a model whose weights were not set by load_weights
             self.process_weights_after_loading()
         q_nope = q[:, :, : self.nope]
