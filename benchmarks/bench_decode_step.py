@@ -41,6 +41,7 @@ from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: 
 )
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa: E402
     ALIGN_KERNEL_MAX,
+    aligned_rows,
     block_m_for,
     launch_moe_align,
     launch_moe_gemm,
@@ -207,7 +208,7 @@ class Layer:
         self.hc = torch.empty(N, inter, device=DEV, dtype=torch.uint8)
         self.hs = torch.empty(N, inter // 128, device=DEV)
         self.y = torch.empty(N, HIDDEN, device=DEV)
-        P = -(-(N + EXPERTS * (self.bm - 1)) // self.bm) * self.bm
+        P = aligned_rows(N, EXPERTS, self.bm)
         self.sorted_ids = torch.empty(P, device=DEV, dtype=torch.int32)
         self.block_expert = torch.empty(P // self.bm, device=DEV, dtype=torch.int32)
         self.align_kernel = True

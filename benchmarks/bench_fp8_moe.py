@@ -42,6 +42,7 @@ from fastdeploy.model_executor.ops.triton_ops import fp8_gemm_kernel  # noqa: E4
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa: E402
     ALIGN_KERNEL_MAX,
+    aligned_rows,
     block_m_for,
     launch_moe_align,
     launch_moe_gemm,
@@ -285,7 +286,7 @@ def moe_align_torch(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, t
     order = torch.argsort(flat, stable=True)
     skey = flat[order]
     dest = (ends - padded)[skey] + torch.arange(N, device=DEV) - (counts.cumsum(0) - counts)[skey]
-    P = -(-(N + E * (bm - 1)) // bm) * bm
+    P = aligned_rows(N, E, bm)
     sorted_ids = torch.full((P,), N, device=DEV, dtype=torch.long)
     sorted_ids[dest] = order
     blocks = torch.arange(P // bm, device=DEV)
@@ -484,7 +485,7 @@ def main() -> None:
         for T in (1, 8, 32, 64, 128, 256):  # the expert sort: one program against torch ops
             ids = torch.randn(T, 256, device=DEV, generator=g).topk(8, dim=1).indices
             bm = block_m_for(T * 8, 256)
-            P = -(-(T * 8 + 256 * (bm - 1)) // bm) * bm
+            P = aligned_rows(T * 8, 256, bm)
             si, be = torch.empty(P, device=DEV, dtype=torch.int32), torch.empty(P // bm, device=DEV, dtype=torch.int32)
             row = {"T": T, "N": T * 8}
             row["torch_ops_us"] = replay_ms(lambda i=ids, m=bm: moe_align_torch(i, 256, m)) * 1e3

@@ -133,8 +133,8 @@ def numpy_align(ids, E, bm):
 )
 def test_align_matches_numpy(T, top_k, E, bm, rng):
     """moe_align against its definition in numpy: one Triton program up to ALIGN_KERNEL_MAX
-    entries (128 x 8 = 1024 the largest), paddle ops above (700 x 8); other ranks' ids (-1, E, E + 5) skipped; outputs
-    poisoned first by the fresh allocation."""
+    entries (128 x 8 = 1024 the largest), paddle ops above (700 x 8); other ranks' ids (-1, E,
+    E + 5) skipped; every padding slot reads N and every block past the runs -1."""
     ids = rng.integers(-1, E + 6, (T, top_k)) if E < 100 else rng.integers(0, E, (T, top_k))
     if T == 64:
         ids[:, 0] = 7  # one expert takes every token

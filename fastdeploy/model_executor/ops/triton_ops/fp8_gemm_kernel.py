@@ -311,7 +311,7 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None, counters=None) -
     )
 
 
-def e4m3_view(x):
+def _e4m3_view(x):
     """uint8 codes as an e4m3 tensor of the same memory (a torch view in the interpreter)."""
     if type(x).__module__.startswith("paddle"):
         if interpret_mode():
@@ -324,28 +324,35 @@ def e4m3_view(x):
     return x.view(torch.float8_e4m3fn)
 
 
-def _launch_tma(a, a_s, b, b_s, out, cfg: dict) -> None:
+def e4m3_descriptor(x, block_rows: int):
+    """uint8 codes [R, K] (columns contiguous, K % 16 == 0) -> a tensor descriptor of them as
+    e4m3 in [block_rows, 128] blocks (reads past the edge are zeros)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    R, K = int(x.shape[0]), int(x.shape[1])
+    return TensorDescriptor(_e4m3_view(x), [R, K], [stride(x, 0), 1], [block_rows, FP8_BLOCK])
+
+
+def _launch_tma(a, a_s, b, b_s, out, cfg: dict) -> None:
     M, K, N = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
     if a_s is None or K % 16 or list(a_s.shape) != [triton.cdiv(K, FP8_BLOCK), M]:
-        raise ValueError(f"w8a8 gemm (tma): needs codes with K % 16 == 0 and M-major scales [{K // 128}, {M}]")
+        raise ValueError(
+            f"w8a8 gemm (tma): needs codes with K % 16 == 0 and M-major scales [{triton.cdiv(K, FP8_BLOCK)}, {M}]"
+        )
     bm, bn = cfg["block_m"], cfg["block_n"]
-    a_desc = TensorDescriptor(e4m3_view(a), [M, K], [stride(a, 0), 1], [bm, FP8_BLOCK])
-    b_desc = TensorDescriptor(e4m3_view(b), [N, K], [stride(b, 0), 1], [bn, FP8_BLOCK])
     launch(
         _w8a8_gemm_tma_kernel,
         (triton.cdiv(M, bm) * triton.cdiv(N, bn),),
-        a_desc,
-        b_desc,
+        e4m3_descriptor(a, bm),
+        e4m3_descriptor(b, bn),
         a_s,
         b_s,
         out,
         M,
         N,
         K,
-        1,
-        M,
+        stride(a_s, 1),
+        stride(a_s, 0),
         stride(b_s, 0),
         BLOCK_M=bm,
         BLOCK_N=bn,

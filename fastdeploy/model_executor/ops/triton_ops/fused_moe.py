@@ -17,6 +17,7 @@ from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import w8a8_block_linear_
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (
     ALIGN_KERNEL_MAX,
+    aligned_rows,
     block_m_for,
     launch_moe_align,
     launch_moe_gemm,
@@ -32,8 +33,8 @@ def moe_align(topk_ids: paddle.Tensor, num_experts: int, block_m: int) -> tuple[
     ALIGN_KERNEL_MAX entries (decode) one Triton launch does it; above, paddle ops."""
     flat = topk_ids.flatten().astype("int64")
     N, E = flat.shape[0], num_experts
+    P = aligned_rows(N, E, block_m)
     if N <= ALIGN_KERNEL_MAX:
-        P = -(-(N + E * (block_m - 1)) // block_m) * block_m
         sorted_ids, block_expert = paddle.empty([P], "int32"), paddle.empty([P // block_m], "int32")
         launch_moe_align(flat, E, block_m, sorted_ids, block_expert)
         return sorted_ids, block_expert
@@ -47,11 +48,8 @@ def moe_align(topk_ids: paddle.Tensor, num_experts: int, block_m: int) -> tuple[
     e = skey.clip(max=E - 1)
     rank_in_expert = paddle.arange(N, dtype="int64") - (paddle.cumsum(counts) - counts)[e]
     dest = (ends - padded)[e] + rank_in_expert
-    P = -(-(N + E * (block_m - 1)) // block_m) * block_m
-    sorted_ids = paddle.full([P], N, "int64")
-    if bool(N):
-        keep = paddle.nonzero(local).flatten()
-        sorted_ids = paddle.scatter(sorted_ids, dest[keep], order[keep], overwrite=True)
+    keep = paddle.nonzero(local).flatten()  # N > ALIGN_KERNEL_MAX here: never empty input
+    sorted_ids = paddle.scatter(paddle.full([P], N, "int64"), dest[keep], order[keep], overwrite=True)
     blocks = paddle.arange(P // block_m, dtype="int64")
     expert = paddle.searchsorted(ends // block_m, blocks, right=True)
     block_expert = paddle.where(expert < E, expert, paddle.full_like(expert, -1))

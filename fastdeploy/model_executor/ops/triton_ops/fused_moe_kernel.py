@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import e4m3_view
+from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import e4m3_descriptor
 from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode, launch, stride
 
 
@@ -147,6 +147,12 @@ def block_m_for(num_entries: int, num_experts: int) -> int:
     return 16 if mean <= 16 else 32 if mean <= 32 else 64
 
 
+def aligned_rows(num_entries: int, num_experts: int, block_m: int) -> int:
+    """P, the rows of the expert-sorted layout: N + E * (block_m - 1) rounded up to block_m, the
+    most any routing needs, so shapes depend on the batch only."""
+    return triton.cdiv(num_entries + num_experts * (block_m - 1), block_m) * block_m
+
+
 def moe_tile_config(num_entries: int, num_experts: int, fp8: bool, dims: tuple[int, ...] = ()) -> dict:
     """launch_moe_gemm's tile arguments (block_m from ``block_m_for``). With FP8 weights at
     prefill sizes (block_m 64: >= 32 entries an expert) the weights come in through tensor
@@ -232,10 +238,8 @@ def launch_moe_gemm(
 def _weight_desc(w, block_n: int):
     """uint8 codes [E, n, K] (contiguous) -> an e4m3 descriptor of [E * n, K] in [block_n, 128]
     blocks."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     E, n, K = (int(d) for d in w.shape)
-    return TensorDescriptor(e4m3_view(w.reshape([E * n, K])), [E * n, K], [K, 1], [block_n, 128])
+    return e4m3_descriptor(w.reshape([E * n, K]), block_n)
 
 
 # Routed entries up to which one program sorts them: on the H200 (h200_2026-12-04_moe_parts_align
