@@ -298,6 +298,7 @@ class SchedulerConfig:
     max_model_len: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # pure-decode batch buckets, ascending (docs/design.md §4.12)
     enforce_eager: bool = False
+    cuda_graph_capture: bool = False  # capture each bucket's decode step (docs/design.md §4.11)
 
     def __post_init__(self) -> None:
         for k in ("max_num_seqs", "max_num_batched_tokens"):

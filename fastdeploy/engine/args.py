@@ -86,6 +86,12 @@ class EngineArgs:
         "build of paddle); None: 1, 2, 4, then multiples of 8 up to max_num_seqs on CUDA, none on CPU; '' none",
     )
     enforce_eager: bool = setting(False, "never capture CUDA graphs (buckets still pad decode batches)")
+    cuda_graph_capture: bool = setting(
+        False,
+        "capture each bucket's pure-decode step as a CUDA graph at start and replay it (a CUDA build of paddle; "
+        "elsewhere the captured step is re-run, which checks its contract and saves nothing); off by default until "
+        "timed on a CUDA build of paddle; not with speculative decoding",
+    )
     mla_prefill_form: str = setting(
         "auto",
         "how prefill tokens attend: mha (keys decompressed, 192/128 wide per head), absorbed (MQA over the "
@@ -123,6 +129,7 @@ class EngineArgs:
                     self.cuda_graph_batch_sizes, self.max_num_seqs, kernels.triton and not interpret_mode()
                 ),
                 enforce_eager=self.enforce_eager,
+                cuda_graph_capture=self.cuda_graph_capture,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, dist_timeout=self.dist_timeout

@@ -32,6 +32,10 @@ class ForwardMeta:
     int32 [T]; host_block_tables[g] int32 [B, max_blocks].
     kernels: the implementations the step was planned for. attn: each attention kind's plan of
     the step, by the kind's name (a backend's ``kind``), made by that kind's backend.
+    captured: a pure-decode step built for a CUDA graph (``build_decode``, docs/design.md §4.11):
+    the host arrays then hold only what is the same at every replay of its bucket (B decodes,
+    seq_lens_decoder each row's bound max_model_len - 1, no host block tables); a row's real
+    position and blocks are on the device only.
     """
 
     input_ids: paddle.Tensor
@@ -48,6 +52,7 @@ class ForwardMeta:
     block_size: int
     kernels: KernelConfig
     attn: dict[str, object] = field(default_factory=dict)
+    captured: bool = False
 
 
 class StepPlanner(Protocol):
@@ -113,6 +118,44 @@ class ForwardMetaBuilder:
             block_size=bs,
             kernels=self.kernels,
         )
+        return self.plan(meta)
+
+    def build_decode(
+        self, input_ids: paddle.Tensor, positions: paddle.Tensor, block_tables: dict[str, paddle.Tensor], bound: int
+    ) -> ForwardMeta:
+        """A captured pure-decode step of B rows from device tensors only (no host read, no
+        upload): input_ids, positions int64 [B], block_tables[g] int32 [B, width]; ``bound`` is
+        max_model_len, the most tokens any row's context reaches. Slots come from the tables on
+        the device; the host arrays are the bucket's constants (``ForwardMeta.captured``)."""
+        B, bs = input_ids.shape[0], self.block_size
+        col = (positions // bs).unsqueeze(1)
+        slots = {
+            g: (
+                paddle.take_along_axis(t, col.astype(t.dtype), 1).squeeze(1).astype("int64") * bs + positions % bs
+            ).astype("int32")
+            for g, t in block_tables.items()
+        }
+        rows = np.arange(B, dtype=np.int32)
+        meta = ForwardMeta(
+            input_ids=input_ids,
+            positions=positions,
+            batch_id_per_token=paddle.arange(B, dtype="int32"),
+            block_tables=block_tables,
+            slot_mapping=slots,
+            seq_lens_encoder=np.zeros(B, np.int32),
+            seq_lens_decoder=np.full(B, bound - 1, np.int32),
+            seq_lens_this_time=np.ones(B, np.int32),
+            cu_seqlens_q=np.arange(B + 1, dtype=np.int32),
+            host_batch_id=rows,
+            host_block_tables={g: np.zeros((B, 0), np.int32) for g in block_tables},
+            block_size=bs,
+            kernels=self.kernels,
+            captured=True,
+        )
+        return self.plan(meta)
+
+    def plan(self, meta: ForwardMeta) -> ForwardMeta:
+        """Each attention kind's plan of the step, into ``meta.attn``."""
         for planner in self.planners:
             meta.attn[planner.kind] = planner.plan_step(meta)
         return meta

@@ -30,6 +30,7 @@ from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, 
 from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitmask
 from fastdeploy.request import Request
 from fastdeploy.scheduler.scheduler import draft_room, num_drafts
+from fastdeploy.worker.decode_graphs import DecodeGraphs
 
 logger = logging.getLogger("fastdeploy")
 
@@ -183,6 +184,29 @@ class GPUModelRunner:
         self.sampler = DeviceSampler(
             mc.vocab_size, fd_config.scheduler_config.max_num_seqs, fd_config.kernel_config.triton
         )
+        self.graphs = self.capture_decode_graphs()
+
+    def capture_decode_graphs(self) -> DecodeGraphs | None:
+        """Each decode bucket captured (docs/design.md §4.11), when ``cuda_graph_capture`` asks,
+        ``enforce_eager`` does not forbid it and buckets exist; not with speculation (its verify
+        steps are not pure decodes, and its draft pass reads the step's host arrays)."""
+        sc = self.fd.scheduler_config
+        if not sc.cuda_graph_capture or sc.enforce_eager or not sc.cuda_graph_batch_sizes:
+            return None
+        if self.spec_k:
+            logger.warning("cuda_graph_capture is off under speculative decoding: decode steps run eagerly")
+            return None
+        layers = self.caches[: self.fd.model_config.num_hidden_layers]
+        graphs = DecodeGraphs(
+            lambda meta: self.model.compute_logits(self.model(meta, layers)),
+            self.meta_builder,
+            sc.cuda_graph_batch_sizes,
+            self.null_block,
+            sc.max_model_len,
+            on_gpu(),
+        )
+        graphs.capture()
+        return graphs
 
     def allocate_caches(self, num_blocks: dict[str, int]) -> list[paddle.Tensor]:
         """One cache a layer, of its group's pool size plus the null block (the last, id
@@ -257,6 +281,10 @@ class GPUModelRunner:
         """The model on one step's inputs, the same on every rank: logits [n, vocab] of the tokens
         that sample, on the device (None when none does), and the step's prompt logprobs
         (``prompt_logprobs``; None when no request asks)."""
+        if self.graphs is not None and self.graphs.takes(step):  # every row samples, in order
+            logits = self.graphs.run(step)
+            n = len(step["samples_at"])
+            return (logits if n == logits.shape[0] else logits[:n]), None
         meta = self.meta_builder.build(
             step["input_ids"], step["seq_lens_encoder"], step["seq_lens_decoder"], step["block_tables"]
         )

@@ -16,9 +16,9 @@ from fastdeploy.config import SchedulerConfig
 from fastdeploy.engine.args import batch_sizes
 
 
-def engines(model_dir, **kw):
+def engines(model_dir, capture=False, **kw):
     common = dict(block_size=16, max_num_seqs=8, enable_prefix_caching=True, max_model_len=192, **kw)
-    return LLM(model_dir, cuda_graph_batch_sizes="4,8", **common).engine, LLM(
+    return LLM(model_dir, cuda_graph_batch_sizes="4,8", cuda_graph_capture=capture, **common).engine, LLM(
         model_dir, cuda_graph_batch_sizes="", **common
     ).engine
 
@@ -47,10 +47,13 @@ def same_state(a, b):
             np.testing.assert_allclose(x, y, rtol=0, atol=3e-3)
 
 
-def test_padding_changes_no_token_logprob_count_or_block(tiny_model_dir, rng):
-    """A full pool of 14 blocks forces preemptions."""
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+def test_padding_changes_no_token_logprob_count_or_block(tiny_model_dir, rng, capture):
+    """A full pool of 14 blocks forces preemptions. Captured: the padded engine's decode steps run
+    as its buckets' captured steps (docs/design.md §4.11), which read only the step buffer."""
     blocks = 14
-    padded, plain = engines(tiny_model_dir, num_gpu_blocks_override=blocks)
+    padded, plain = engines(tiny_model_dir, capture, num_gpu_blocks_override=blocks)
+    assert (padded.runner.graphs is not None) == capture
     shared = [int(x) for x in rng.integers(2, 500, 40)]
     plan = {  # step -> requests arriving then: (id, prompt, sibling of)
         0: [("a", [int(x) for x in rng.integers(2, 500, 85)], None), ("b", shared + [7, 8, 9], None)],
@@ -84,6 +87,8 @@ def test_padding_changes_no_token_logprob_count_or_block(tiny_model_dir, rng):
         same_state(padded, plain)
     assert not padded.has_unfinished_requests() and not plain.has_unfinished_requests()
     assert padded_steps > 0  # some decode steps really ran padded
+    if capture:
+        assert padded.runner.graphs.replays >= padded_steps
     assert padded.num_preemptions > 0 and padded.num_preemptions == plain.num_preemptions
     assert padded.block_manager.prefix_hits > 0
     for pool in padded.block_manager.pools.values():
@@ -146,36 +151,54 @@ def test_bucket_settings():
         batch_sizes("4,x", 8, on_cuda=False)
 
 
+def refuse(what):
+    def f(*a, **k):
+        raise AssertionError(f"inside the decode step: {what}")
+
+    return f
+
+
 class NoHostSync:
     """Inside it, a paddle tensor converted to the host raises (numpy, item, tolist, truth value,
-    int, float)."""
+    int, float); with ``uploads`` a host-to-device copy (``paddle.to_tensor``) raises too, which
+    a CUDA-graph capture cannot hold either."""
 
     names = ("numpy", "item", "tolist", "__bool__", "__int__", "__float__", "__array__")
 
+    def __init__(self, uploads=False):
+        self.uploads = uploads
+
     def __enter__(self):
         self.saved = {n: getattr(paddle.Tensor, n) for n in self.names}
-
-        def refuse(name):
-            def f(*a, **k):
-                raise AssertionError(f"host sync inside the decode step: Tensor.{name}")
-
-            return f
-
+        self.to_tensor = paddle.to_tensor
         for n in self.names:
-            setattr(paddle.Tensor, n, refuse(n))
+            setattr(paddle.Tensor, n, refuse(f"host sync, Tensor.{n}"))
+        if self.uploads:
+            paddle.to_tensor = refuse("upload, paddle.to_tensor")
 
     def __exit__(self, *exc):
         for n, f in self.saved.items():
             setattr(paddle.Tensor, n, f)
+        paddle.to_tensor = self.to_tensor
 
 
-def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch):
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch, capture):
     """Steady padded decode steps with the Triton kernels (interpreter): the forward and the
-    sampler's device op run with every tensor-to-host conversion raising."""
+    sampler's device op run with every tensor-to-host conversion raising. Captured: the whole
+    captured step (inputs out of the step buffer, the step's ForwardMeta and plans, the model, the
+    LM head) runs with host copies and uploads raising."""
     from fastdeploy.model_executor.layers import device_sampler
 
-    eng = LLM(tiny_model_dir, block_size=16, max_num_seqs=4, kernel_backend="triton", cuda_graph_batch_sizes="4").engine
-    model = eng.runner.model
+    eng = LLM(
+        tiny_model_dir,
+        block_size=16,
+        max_num_seqs=4,
+        kernel_backend="triton",
+        cuda_graph_batch_sizes="4",
+        cuda_graph_capture=capture,
+    ).engine
+    model, graphs = eng.runner.model, eng.runner.graphs
     guarded = {"forward": 0, "sample": 0}
     forward, sample_tokens = model.forward, device_sampler.sampling.sample_tokens
 
@@ -185,6 +208,15 @@ def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch):
             with NoHostSync():
                 return forward(meta, *a, **k)
         return forward(meta, *a, **k)
+
+    if capture:
+        body = graphs.body
+
+        def body_guarded(B):
+            with NoHostSync(uploads=True):
+                return body(B)
+
+        monkeypatch.setattr(graphs, "body", body_guarded)
 
     def sample_guarded(*a, **k):
         guarded["sample"] += 1
@@ -203,6 +235,7 @@ def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch):
             outs[o.request_id] = o
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs.values()) and len(outs) == 3
     assert guarded["forward"] >= 3 and guarded["sample"] >= 4
+    assert (graphs.replays >= 3) if capture else graphs is None
 
 
 def test_a_seed_draws_the_same_tokens_alone_or_in_a_batch(tiny_model_dir, rng):

@@ -196,3 +196,62 @@ def test_full_layer_decodes_go_to_flashmla_dense(tmp_path, rng, monkeypatch):
     np.testing.assert_array_equal(last["block_table"][0, : len(h.tables["full"]["a"])].numpy(), h.tables["full"]["a"])
     err = np.abs(logits["flashmla"] - logits["reference"]).max() / np.abs(logits["reference"]).max()
     assert err < 3e-2, err  # bf16 q in FlashMLA's kernels
+
+
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+def test_captured_decode_step_plans_from_the_device(provider, rng):
+    """``build_decode`` (a captured decode step: device inputs only, tables at a fixed width) gives
+    the slots and window indices numpy computes from the tables (W = 32: positions W - 1, W,
+    W + 1, block edges, >= 2W + a block, a padding row on the null block); full layers index the
+    whole context up to the step's bound, -1 past each row's own position."""
+    W, bound, null = 32, 200, 99
+    width = -(-bound // BS)
+    kernels = KernelConfig(sparse_mla_provider=provider, mla_prefill_form="absorbed", triton=provider == "triton")
+    builder = ForwardMetaBuilder(BS, [swa(W, kernels), full(kernels)], kernels)
+    positions = [W - 1, W, W + 1, BS - 1, 2 * BS, 2 * W + BS + 3, 0]  # the last row pads
+    tables = {g: [] for g in ("swa", "full")}
+    for p in positions[:-1]:
+        blocks = [int(b) for b in rng.permutation(90)[: p // BS + 1]]
+        tables["full"].append(blocks)
+        tables["swa"].append([-1 if (i + 1) * BS <= p - W + 1 else b for i, b in enumerate(blocks)])  # released
+    for g in tables:
+        tables[g].append([null])
+    dev = {}
+    for g, rows in tables.items():
+        t = np.full((len(rows), width), -1, np.int32)
+        for b, row in enumerate(rows):
+            t[b, : len(row)] = row
+        dev[g] = paddle.to_tensor(t)
+    ids = [int(x) for x in rng.integers(0, 500, len(positions))]
+    meta = builder.build_decode(paddle.to_tensor(ids), paddle.to_tensor(positions), dev, bound)
+    assert meta.captured and not meta.seq_lens_encoder.any() and (meta.seq_lens_decoder == bound - 1).all()
+    for g, rows in tables.items():
+        want = [row[p // BS] * BS + p % BS for row, p in zip(rows, positions, strict=True)]
+        np.testing.assert_array_equal(meta.slot_mapping[g].numpy(), want)
+    swa_plan, full_plan = meta.attn[f"swa:{W}"], meta.attn["full"]
+    ((group,),) = [swa_plan.groups]
+    assert group.tokens is None and group.form == "absorbed"
+    topk = swa_plan.indices.shape[1]
+    want = np.stack([window_slots(t, p, W, topk) for t, p in zip(tables["swa"], positions, strict=True)])
+    np.testing.assert_array_equal(swa_plan.indices.numpy(), want)
+    (fgroup,) = full_plan.groups
+    topk = fgroup.indices.shape[1]
+    assert topk >= bound
+    want = np.stack([window_slots(t, p, p + 1, topk) for t, p in zip(tables["full"], positions, strict=True)])
+    np.testing.assert_array_equal(fgroup.indices.numpy(), want)
+
+
+def test_captured_dense_decode_reads_device_tables(rng, monkeypatch):
+    """FlashMLA's dense decode of a captured step: the device block table and position + 1."""
+    monkeypatch.setitem(sys.modules, "flash_mla", fake_flash_mla([]))
+    kernels = KernelConfig(sparse_mla_provider="flashmla", mla_prefill_form="absorbed")
+    builder = ForwardMetaBuilder(BS, [full(kernels, kv_cache_dtype="bf16")], kernels)
+    table = rng.integers(0, 50, (3, 4)).astype(np.int32)
+    pos = [5, 63, 17]
+    meta = builder.build_decode(
+        paddle.to_tensor([1, 2, 3]), paddle.to_tensor(pos), {"full": paddle.to_tensor(table)}, 64
+    )
+    (group,) = meta.attn["full"].groups
+    assert group.form == "decode" and group.indices is None
+    np.testing.assert_array_equal(group.dense_decode.block_table.numpy(), table)
+    np.testing.assert_array_equal(group.dense_decode.cache_seqlens.numpy(), [6, 64, 18])

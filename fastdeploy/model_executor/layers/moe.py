@@ -71,7 +71,8 @@ class MoEGate(nn.Layer):
         group_scores = paddle.topk(grouped, k=min(2, grouped.shape[-1]), axis=-1)[0].sum(axis=-1)
         top_groups = paddle.topk(group_scores, k=c.topk_group, axis=-1)[1]
         group_mask = paddle.zeros([T, c.n_group], "float32")
-        group_mask = paddle.put_along_axis(group_mask, top_groups, 1.0, axis=1)
+        ones = paddle.ones(top_groups.shape, "float32")  # a tensor: a float value would be uploaded
+        group_mask = paddle.put_along_axis(group_mask, top_groups, ones, axis=1)
         expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape([T, -1])
         masked = paddle.where(expert_mask > 0, choice, paddle.full_like(choice, float("-inf")))
         ids = paddle.topk(masked, k=c.num_experts_per_tok, axis=-1)[1]

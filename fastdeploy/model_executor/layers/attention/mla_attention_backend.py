@@ -59,10 +59,11 @@ class MLAAttentionBackend(MLABackendBase):
         for g in groups:
             if g.form == "mha":
                 continue
-            if dense and g.form == "decode":
-                rows = meta.host_block_tables[FULL_GROUP][g.requests]
-                lens = meta.seq_lens_decoder[g.requests] + 1
-                g.dense_decode = DenseDecode(paddle.to_tensor(rows), paddle.to_tensor(lens.astype("int32")))
+            if dense and g.form == "decode":  # from the device tables and positions: a captured step has no others
+                table, pos = meta.block_tables[FULL_GROUP], meta.positions
+                if g.tokens is not None:
+                    table, pos = table[meta.batch_id_per_token[g.tokens]], pos[g.tokens]
+                g.dense_decode = DenseDecode(table, (pos + 1).astype("int32"))
             else:
                 longest = int((meta.seq_lens_decoder[g.requests] + meta.seq_lens_this_time[g.requests]).max())
                 topk = round_up(longest, step_topk_multiple(provider))
