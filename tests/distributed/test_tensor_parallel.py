@@ -33,16 +33,20 @@ outs = [o for ps in a["batches"] for o in llm.generate(ps, SamplingParams(**a["s
 lps = lambda es: [None if e is None else {str(k): v for k, v in e.items()} for e in es or []]
 rows = [[c.token_ids, lps(c.logprobs), o.num_cached_tokens, lps(o.prompt_logprobs)] for o in outs for c in o.outputs]
 print("RESULT " + json.dumps(rows))
+print("REPLAYS " + str(llm.engine.runner.graphs.replays if llm.engine.runner.graphs else 0))
 """
 
 
-def run(tp: int, batches, sampling: dict, **kw) -> list:
+def run(tp: int, batches, sampling: dict, replays: list | None = None, **kw) -> list:
     """(token ids, logprobs, cached tokens) of each batch's outputs in turn, on one engine in a
-    process of its own (a process sets up paddle.distributed once)."""
+    process of its own (a process sets up paddle.distributed once); ``replays`` gets the number
+    of decode steps the driver ran captured."""
     arg = json.dumps({"tp": tp, "engine": {**KW, **kw}, "batches": batches, "sampling": sampling})
     p = subprocess.run([sys.executable, "-c", RUN, arg], capture_output=True, text=True, timeout=300)
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     assert p.returncode == 0 and line, p.stderr[-3000:]
+    if replays is not None:
+        replays += [int(x.split()[1]) for x in p.stdout.splitlines() if x.startswith("REPLAYS ")]
     return json.loads(line[0][len("RESULT ") :])
 
 
@@ -98,6 +102,18 @@ def test_prompt_logprobs_at_tp2_equal_tp1(rng):
         a = np.array([pa[i][str(ids[i])] for i in range(1, len(ids))])
         b = np.array([pb[i][str(ids[i])] for i in range(1, len(ids))])
         assert np.abs(a - b).max() <= WORST * np.abs(a).max()
+
+
+def test_captured_decode_at_tp2_equals_tp1_eager(rng):
+    """Every rank captures its buckets at start (the all-reduces inside them in the same order)
+    and replays them in lockstep: TP 2 with captured decode steps gives TP 1's eager tokens."""
+    ps = [{"prompt_token_ids": [int(x) for x in rng.integers(2, 500, n)]} for n in (40, 9, 23)]
+    sp = dict(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
+    want = run(1, [ps], sp, cuda_graph_batch_sizes="")
+    replays = []
+    got = run(2, [ps], sp, replays, cuda_graph_batch_sizes="2,4", cuda_graph_capture=True)
+    assert_same(want, got)
+    assert replays[0] >= 23  # every decode step: 3 requests run as the bucket of 4
 
 
 def test_speculative_decoding_at_tp2_equals_tp1_without(mtp_model_dir, rng):

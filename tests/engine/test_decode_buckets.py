@@ -256,3 +256,33 @@ def test_a_seed_draws_the_same_tokens_alone_or_in_a_batch(tiny_model_dir, rng):
 
     alone = run(0, "")
     assert run(3, "") == alone and run(2, "8") == alone
+
+
+def test_capture_settings(tiny_model_dir, mtp_model_dir, rng, caplog):
+    """--enforce-eager wins over --cuda-graph-capture; speculation turns capture off with a
+    warning; steps that are not a bucket's pure decodes (a batch above every bucket, a prefill,
+    prompt logprobs) run eagerly and give the eager engine's tokens."""
+    kw = dict(block_size=16, max_num_seqs=8, cuda_graph_batch_sizes="2", cuda_graph_capture=True)
+    assert LLM(tiny_model_dir, enforce_eager=True, **kw).engine.runner.graphs is None
+    spec = '{"method": "mtp", "num_speculative_tokens": 1}'
+    assert LLM(mtp_model_dir, speculative_config=spec, **kw).engine.runner.graphs is None
+    assert "cuda_graph_capture is off under speculative decoding" in caplog.text
+    eng = LLM(tiny_model_dir, **kw).engine
+    plain = LLM(tiny_model_dir, **{**kw, "cuda_graph_batch_sizes": ""}).engine
+    prompts = [[int(x) for x in rng.integers(2, 500, 9 + i)] for i in range(3)]
+    outs = []
+    for e in (eng, plain):
+        for i, p in enumerate(prompts):  # three decodes: above the one bucket (2)
+            sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logprobs=1 if i == 0 else None)
+            e.add_request(p, sp, f"r{i}")
+        done = {}
+        while e.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in e.step()})
+        outs.append(done)
+    assert outs[0] == outs[1] and eng.runner.graphs.replays == 0
+    step = {"seq_lens_encoder": [0, 0], "sample_rows": [[0], [1]], "block_tables": {"full": [[1], [2]]}}
+    graphs = eng.runner.graphs
+    assert graphs.takes(step)
+    assert not graphs.takes({**step, "prompt_logprobs": {"rows": [0]}})
+    assert not graphs.takes({**step, "seq_lens_encoder": [0, 3]})
+    assert not graphs.takes({**step, "block_tables": {"full": [[1], [2] * (graphs.width + 1)]}})
