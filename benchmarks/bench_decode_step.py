@@ -41,10 +41,12 @@ from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: 
 )
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa: E402
     ALIGN_KERNEL_MAX,
+    align_scratch_size,
     aligned_rows,
     block_m_for,
-    launch_moe_align,
+    launch_expert_sort,
     launch_moe_gemm,
+    launch_moe_sum,
 )
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import launch_write_mla_fp8_cache  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.rms_norm_kernel import launch_rms_norm  # noqa: E402
@@ -74,6 +76,8 @@ STEP_END = [
 DEV = "cuda"
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V = 7168, 1536, 512, 64, 128, 128
 EXPERTS, TOPK, MOE_INTER, SHARED_INTER, VOCAB, LAYERS = 256, 8, 2048, 2048, 129280, 61
+# Each earlier form put back, cumulatively in this order (layer_case's graph_<form>_ms).
+BEFORE_FORMS = ("eager_cfg", "torch_rope", "torch_norm", "torch_align", "torch_sum")
 
 
 # The Triton kernels of one layer's decode step at M rows, in launch order (``_combine_kernel``
@@ -96,8 +100,10 @@ def attn_kernels(M: int, swa: bool) -> list[str]:
 def mlp_kernels(M: int, moe: bool) -> list[str]:
     """The post-attention norm, the routed experts (MoE layers), then the dense MLP or shared
     expert: gate, up, down."""
-    align = ["_moe_align_kernel"] if M * TOPK <= ALIGN_KERNEL_MAX else []  # else paddle ops
-    routed = align + ["_act_quant_kernel", "_moe_gemm_kernel", "_act_quant_kernel", "_moe_gemm_kernel"]
+    chunks = ["_align_count_kernel", "_align_scan_kernel", "_align_starts_kernel", "_align_scatter_kernel"]
+    align = ["_moe_align_kernel"] if M * TOPK <= ALIGN_KERNEL_MAX else chunks
+    gemms = ["_act_quant_kernel", "_moe_gemm_kernel"] * 2
+    routed = align + gemms + ["_moe_sum_kernel"]
     routed = routed if moe else []
     return ["_rms_norm_kernel"] + routed + linear_kernels(M) * 3
 
@@ -207,11 +213,15 @@ class Layer:
         self.h = torch.empty(N, inter, device=DEV, dtype=torch.bfloat16)
         self.hc = torch.empty(N, inter, device=DEV, dtype=torch.uint8)
         self.hs = torch.empty(N, inter // 128, device=DEV)
-        self.y = torch.empty(N, HIDDEN, device=DEV)
+        self.y = torch.empty(N, HIDDEN, device=DEV, dtype=torch.bfloat16)
+        self.y32 = torch.empty(N, HIDDEN, device=DEV)
+        self.routed_out = torch.empty(B, HIDDEN, device=DEV)
         P = aligned_rows(N, EXPERTS, self.bm)
         self.sorted_ids = torch.empty(P, device=DEV, dtype=torch.int32)
         self.block_expert = torch.empty(P // self.bm, device=DEV, dtype=torch.int32)
+        self.align_scratch = torch.empty(align_scratch_size(EXPERTS, N), device=DEV, dtype=torch.int32)
         self.align_kernel = True
+        self.sum_kernel = True
         self.rms_kernel = True
         self.rope_kernel = True
         self.pos = torch.full((B,), ctx - 1, device=DEV, dtype=torch.int64)
@@ -260,9 +270,9 @@ class Layer:
         h = rms(x, self.norms[3], k)
         scores = (h @ self.router.T).float().sigmoid()
         wts, ids = scores.topk(TOPK, dim=-1)
-        if self.align_kernel and B * TOPK <= ALIGN_KERNEL_MAX:  # the model's form: one launch
+        if self.align_kernel:  # the model's form: one launch, four above ALIGN_KERNEL_MAX entries
             sorted_ids, block_expert = self.sorted_ids, self.block_expert
-            launch_moe_align(ids.flatten(), EXPERTS, self.bm, sorted_ids, block_expert)
+            launch_expert_sort(ids.flatten(), EXPERTS, self.bm, sorted_ids, block_expert, self.align_scratch)
         else:  # the earlier form: torch ops (what moe_align did in paddle ops)
             sorted_ids, block_expert = moe_align_torch(ids, EXPERTS, self.bm)
         launch_act_quant(h, self.xc, self.xs)
@@ -282,14 +292,19 @@ class Layer:
             ws3=self.w3s,
         )
         launch_act_quant(self.h, self.hc, self.hs)
-        self.y.zero_()
         top_w = (wts / wts.sum(-1, keepdim=True)).flatten().contiguous()
+        y = self.y if self.sum_kernel else self.y32.zero_()  # the earlier form: float32 rows zeroed, torch's sum
         launch_moe_gemm(
-            self.hc, self.w2, self.y, sorted_ids, block_expert, N, TOPK, self.bm, a_s=self.hs, ws1=self.w2s, top_w=top_w
+            self.hc, self.w2, y, sorted_ids, block_expert, N, TOPK, self.bm, a_s=self.hs, ws1=self.w2s, top_w=top_w
         )
+        if self.sum_kernel:  # the model's form: bf16 rows, one masked sum launch
+            launch_moe_sum(y, ids.flatten(), EXPERTS, self.routed_out)
+            routed = self.routed_out
+        else:
+            routed = y.view(B, TOPK, HIDDEN).sum(1)
         gate, up = self.shared_gate(h), self.shared_up(h)
         shared = self.shared_down((torch.nn.functional.silu(gate.float()) * up.float()).to(torch.bfloat16))
-        return x + self.y.view(B, TOPK, HIDDEN).sum(1).to(torch.bfloat16) + shared
+        return x + routed.to(torch.bfloat16) + shared
 
 
 def events_ms(fn, iters: int = 20) -> float:
@@ -352,7 +367,9 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
     layer.rms_kernel = False
     replay_torch_norm = replay_ms(layer, x)
     layer.align_kernel = False
-    replay_torch_align = replay_ms(layer, x)  # both torch forms: the layer before this round
+    replay_torch_align = replay_ms(layer, x)
+    layer.sum_kernel = False
+    replay_torch_sum = replay_ms(layer, x)  # every earlier form: the layer before this round
     layer = None  # free the weights and caches before the next case
     torch.cuda.empty_cache()
     return {
@@ -366,6 +383,7 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
         "graph_torch_rope_ms": replay_torch_rope,
         "graph_torch_norm_ms": replay_torch_norm,
         "graph_torch_align_ms": replay_torch_align,
+        "graph_torch_sum_ms": replay_torch_sum,
         "kernel_sum_ms": ksum,
         "graph_speedup": eager / replay,
         "graph_vs_kernel_sum": replay / ksum,
@@ -467,11 +485,10 @@ def main() -> None:
         tuple(int(b) for b in a.batches.split(",")) if a.batches else (1, 8, 64) if a.quick else (1, 8, 32, 128, 256)
     )
     rows, proj = [], []
-    cols = ("eager ms", "graph ms", "eager configs", "torch rope", "torch rope + norms", "torch rope + norms + sort")
-    cols += ("kernel sum ms",)
-    cols += ("eager/graph", "graph/kernel sum")
+    cols = ("eager ms", "graph ms", "eager configs", "torch rope", "+ norms", "+ sort", "+ zeroed f32 sum")
+    cols += ("kernel sum ms", "eager/graph", "graph/kernel sum")
     print("| TP | B | ctx | layer | " + " | ".join(cols) + " |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (4 + len(cols)) + "|")
     for tp in tuple(int(t) for t in a.tp.split(",")):
         for ctx in (4096, 32768):
             for B in batches:
@@ -486,42 +503,26 @@ def main() -> None:
                         f"| {tp} | {B} | {ctx} | {r['kind']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
                         f"{r['graph_eager_cfg_ms']:.3f} | {r['graph_torch_rope_ms']:.3f} | "
                         f"{r['graph_torch_norm_ms']:.3f} | "
-                        f"{r['graph_torch_align_ms']:.3f} | "
+                        f"{r['graph_torch_align_ms']:.3f} | {r['graph_torch_sum_ms']:.3f} | "
                         f"{r['kernel_sum_ms']:.3f} | {r['graph_speedup']:.2f} | "
                         f"{r['graph_vs_kernel_sum']:.2f} |",
                         flush=True,
                     )
                 tail = head_and_sampler_ms(B, tp, g)
-                f = a.swa_fraction
-                layer_ms = f * per["swa"]["graph_ms"] + (1 - f) * per["full"]["graph_ms"]
-                tpot = LAYERS * layer_ms + tail
-                eager_cfg = f * per["swa"]["graph_eager_cfg_ms"] + (1 - f) * per["full"]["graph_eager_cfg_ms"]
-                torch_align = f * per["swa"]["graph_torch_align_ms"] + (1 - f) * per["full"]["graph_torch_align_ms"]
-                torch_norm = f * per["swa"]["graph_torch_norm_ms"] + (1 - f) * per["full"]["graph_torch_norm_ms"]
-                torch_rope = f * per["swa"]["graph_torch_rope_ms"] + (1 - f) * per["full"]["graph_torch_rope_ms"]
-                proj.append(
-                    {
-                        "tp": tp,
-                        "B": B,
-                        "ctx": ctx,
-                        "tpot_ms": tpot,
-                        "tpot_eager_cfg_ms": LAYERS * eager_cfg + tail,
-                        "tpot_torch_rope_ms": LAYERS * torch_rope + tail,
-                        "tpot_torch_norm_ms": LAYERS * torch_norm + tail,
-                        "tpot_torch_align_ms": LAYERS * torch_align + tail,
-                        "tok_s_per_gpu": B / tpot * 1e3 / tp,
-                        "tail_ms": tail,
-                    }
-                )
+
+                def tpot_of(key: str, f: float = a.swa_fraction, per: dict = per, tail: float = tail) -> float:
+                    return LAYERS * (f * per["swa"][key] + (1 - f) * per["full"][key]) + tail
+
+                tpot = tpot_of("graph_ms")
+                row = {"tp": tp, "B": B, "ctx": ctx, "tpot_ms": tpot}
+                row.update({f"tpot_{form}_ms": tpot_of(f"graph_{form}_ms") for form in BEFORE_FORMS})
+                proj.append({**row, "tok_s_per_gpu": B / tpot * 1e3 / tp, "tail_ms": tail})
     print("\nProjected decode (61 layers, graph replay, + LM head and sampler; no all-reduce):")
-    print("| TP | B | ctx | ms / token | eager configs | torch rope | + norms | + sort | tokens/s per GPU |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| TP | B | ctx | ms / token | eager configs | torch rope | + norms | + sort | + sum | tokens/s per GPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for p in proj:
-        print(
-            f"| {p['tp']} | {p['B']} | {p['ctx']} | {p['tpot_ms']:.2f} | {p['tpot_eager_cfg_ms']:.2f} | "
-            f"{p['tpot_torch_rope_ms']:.2f} | {p['tpot_torch_norm_ms']:.2f} | {p['tpot_torch_align_ms']:.2f} | "
-            f"{p['tok_s_per_gpu']:.0f} |"
-        )
+        before = " | ".join(f"{p[f'tpot_{form}_ms']:.2f}" for form in BEFORE_FORMS)
+        print(f"| {p['tp']} | {p['B']} | {p['ctx']} | {p['tpot_ms']:.2f} | {before} | {p['tok_s_per_gpu']:.0f} |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"layers": rows, "projection": proj, "window": a.window, "swa_fraction": a.swa_fraction}, fh)

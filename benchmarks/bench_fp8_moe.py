@@ -18,8 +18,9 @@ the device copy bandwidth.
 
 Fused MoE (``fused_moe_kernel``): DeepSeek-V3's routed experts, 256 experts of 7168 -> 2048 -> 7168,
 top-8 of random scores, T = 1 .. 4096 tokens, bf16 and FP8 block weights (the same weights: bf16 is
-the FP8 codes de-quantized). Ours: the sort by expert (torch ops, as ``fused_moe.moe_align`` does
-in paddle), the activation quantization (FP8), the two grouped-GEMM launches, the sum over top-8.
+the FP8 codes de-quantized). Ours: the sort by expert (``launch_expert_sort``, as
+``fused_moe.moe_align``), the activation quantization (FP8), the two grouped-GEMM launches into
+bf16 rows, the masked sum over top-8 (``--moe-forms`` times the earlier forms beside it).
 Naive: a per-expert torch loop in bf16 (one batched gate / up / down per expert that has tokens,
 as the model ran before). Checked against float32 torch of the same (quantized) math on 4 tokens.
 FLOPs 2 T 8 3 7168 2048.
@@ -42,10 +43,13 @@ from fastdeploy.model_executor.ops.triton_ops import fp8_gemm_kernel  # noqa: E4
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa: E402
     ALIGN_KERNEL_MAX,
+    align_scratch_size,
     aligned_rows,
     block_m_for,
-    launch_moe_align,
+    launch_expert_sort,
+    launch_moe_align_chunks,
     launch_moe_gemm,
+    launch_moe_sum,
     moe_tile_config,
 )
 
@@ -340,7 +344,7 @@ def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
     sorted_ids, block_expert = moe_align_torch(ids, E, bm)
     gu = dict(a_s=xs, ws1=w["w1_s"], w3=w["w3"], ws3=w["w3_s"], **cfg)
     parts = {
-        "align": lambda: moe_align_torch(ids, E, bm),
+        "align": lambda: launch_expert_sort(flat_ids, E, bm, si_buf, be_buf, scratch),
         "quant_x": lambda: launch_act_quant(x, xc, xs),
         "gate_up": lambda: launch_moe_gemm(xc, w["w1"], mid, sorted_ids, block_expert, N, K, bm, **gu),
         "quant_mid": lambda: launch_act_quant(mid, ic, ics),
@@ -350,17 +354,50 @@ def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
         "zero_y": y.zero_,
         "sum_topk": lambda: y.view(T, K, H).sum(1),
     }
+    alt = {  # the down output's other forms (not in sum_ms): bf16 rows, one masked sum launch
+        "zero_mid": mid.zero_,
+        "align_torch_ops": lambda: moe_align_torch(ids, E, bm),
+        "down_bf16": lambda: launch_moe_gemm(
+            ic, w["w2"], y16, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg
+        ),
+        "moe_sum_f32": lambda: launch_moe_sum(y, flat_ids, E, summed),
+        "moe_sum_bf16": lambda: launch_moe_sum(y16, flat_ids, E, summed),
+    }
+    y16, summed = torch.zeros(N, H, device=DEV, dtype=torch.bfloat16), torch.empty(T, H, device=DEV)
+    flat_ids = ids.flatten()
+    si_buf, be_buf = torch.empty_like(sorted_ids), torch.empty_like(block_expert)
+    scratch = torch.empty(align_scratch_size(E, N), device=DEV, dtype=torch.int32)
     out = {"T": T, "config": cfg, "block_m": bm, "padded_rows": int((sorted_ids < N).numel())}
     for name, fn in parts.items():
         fn()
         out[f"{name}_ms"] = bench(fn)
     out["sum_ms"] = sum(v for k, v in out.items() if k.endswith("_ms"))
+    for name, fn in alt.items():
+        fn()
+        out[f"alt_{name}_ms"] = bench(fn)
     for name, flops in (("gate_up", 2 * N * 2 * inter * H), ("down", 2 * N * H * inter)):
         out[f"{name}_tflops"] = flops / out[f"{name}_ms"] / 1e9
     return out
 
 
-def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float, cfg: dict | None = None) -> dict:
+MOE_FORMS = ("zero_sum", "f32_sum_kernel", "bf16_sum_kernel")  # the down output's form; the first: before
+
+
+def moe_case(
+    T: int,
+    fp8: bool,
+    w: dict,
+    g: torch.Generator,
+    ceil: float,
+    cfg: dict | None = None,
+    form: str = "bf16_sum_kernel",
+    graph: bool = False,
+) -> dict:
+    """form: ``zero_sum``, the form before: the expert sort in torch ops (the paddle-ops form
+    above 1024 entries), float32 down rows and the intermediate zeroed every call, torch's sum over
+    k; ``f32_sum_kernel`` / ``bf16_sum_kernel``: the model's sort (``launch_expert_sort``), rows in
+    float32 / bf16 (the model's: x's dtype), never zeroed, summed by ``_moe_sum_kernel``.
+    graph: time a CUDA-graph replay at every T (else at T <= 64) and skip the naive loop."""
     E, inter, H = w["w1"].shape
     K = 8
     x = torch.randn(T, H, device=DEV, generator=g).to(torch.bfloat16)
@@ -370,14 +407,25 @@ def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float, cfg: d
     cfg = dict(cfg) if cfg is not None else moe_tile_config(N, E, fp8, (H, inter))
     bm = cfg.pop("block_m", None) or block_m_for(N, E)
     inter_buf = torch.zeros(N, inter, device=DEV, dtype=torch.bfloat16)
-    y = torch.zeros(N, H, device=DEV)
+    y = torch.zeros(N, H, device=DEV, dtype=torch.bfloat16 if form == "bf16_sum_kernel" else torch.float32)
+    out = torch.empty(T, H, device=DEV)
     xc, xs = torch.empty(T, H, device=DEV, dtype=torch.uint8), torch.empty(T, H // 128, device=DEV)
     ic, ics = torch.empty(N, inter, device=DEV, dtype=torch.uint8), torch.empty(N, inter // 128, device=DEV)
     top_w = wts.flatten().contiguous()
+    flat_ids = ids.flatten().contiguous()
+    P = aligned_rows(N, E, bm)
+    si_buf, be_buf = torch.empty(P, device=DEV, dtype=torch.int32), torch.empty(P // bm, device=DEV, dtype=torch.int32)
+    scratch = torch.empty(align_scratch_size(E, N), device=DEV, dtype=torch.int32)
 
     def ours():
-        sorted_ids, block_expert = moe_align_torch(ids, E, bm)
-        y.zero_()
+        if form == "zero_sum":  # the sort in torch ops, as moe_align did in paddle ops above 1024 entries
+            sorted_ids, block_expert = moe_align_torch(ids, E, bm)
+        else:
+            sorted_ids, block_expert = si_buf, be_buf
+            launch_expert_sort(flat_ids, E, bm, sorted_ids, block_expert, scratch)
+        if form == "zero_sum":
+            y.zero_()
+            inter_buf.zero_()
         if fp8:
             launch_act_quant(x, xc, xs)
             launch_moe_gemm(
@@ -402,7 +450,10 @@ def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float, cfg: d
         else:
             launch_moe_gemm(x, w["w1_bf16"], inter_buf, sorted_ids, block_expert, N, K, bm, w3=w["w3_bf16"], **cfg)
             launch_moe_gemm(inter_buf, w["w2_bf16"], y, sorted_ids, block_expert, N, K, bm, top_w=top_w, **cfg)
-        return y.view(T, K, H).sum(1)
+        if form == "zero_sum":
+            return y.view(T, K, H).sum(1)
+        launch_moe_sum(y, flat_ids, E, out)
+        return out
 
     def naive():
         out = torch.zeros(T, H, device=DEV)
@@ -435,19 +486,22 @@ def moe_case(T: int, fp8: bool, w: dict, g: torch.Generator, ceil: float, cfg: d
             want += wts[t, k] * (h @ weight("w2", e).T)[0]
         errs.append(rel(got[t], want))
     flops = 2 * T * K * 3 * H * inter
-    row = {"T": T, "fp8": fp8, "block_m": bm, "config": cfg, "rel_err": max(errs), "flops": flops}
+    row = {"T": T, "fp8": fp8, "form": form, "block_m": bm, "config": cfg, "rel_err": max(errs), "flops": flops}
     row["ours_ms"] = bench(ours)
     if sweep_only:
         row["ours_tflops"] = flops / row["ours_ms"] / 1e9
         return row
-    if T <= 64:  # decode sizes: also the GPU time of a CUDA-graph replay (no host launch cost)
+    if T <= 64 or graph:  # decode sizes: also the GPU time of a CUDA-graph replay (no host launch cost)
         ours()
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
             ours()
-        row["ours_graph_ms"] = bench(graph.replay)
-        del graph
+        row["ours_graph_ms"] = bench(cg.replay)
+        del cg
+    if graph:
+        row["ours_tflops"] = flops / row["ours_graph_ms"] / 1e9
+        return row
     row["naive_ms"] = bench(naive)
     row["ours_tflops"] = flops / row["ours_ms"] / 1e9
     row["ceiling_frac"] = row["ours_tflops"] / ceil
@@ -463,6 +517,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="tile configs instead (kernel rows only)")
     ap.add_argument("--moe-parts", action="store_true", help="the FP8 fused MoE's launches timed one by one")
     ap.add_argument("--moe-sweep", action="store_true", help="fused MoE tile configs (kernel rows only)")
+    ap.add_argument("--moe-forms", action="store_true", help="the FP8 fused MoE with each down-output form")
     ap.add_argument("--small-sweep", action="store_true", help="M <= 64 tile / split configs, graph replays")
     ap.add_argument("--gemm-only", action="store_true", help="skip the fused MoE rows")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="the GEMM rows' M values, comma-separated")
@@ -474,26 +529,43 @@ def main() -> None:
         with open(args.compare) as f, open(args.against) as g2:
             sys.exit(compare(json.load(f), json.load(g2)))
     g = torch.Generator(device=DEV).manual_seed(0)
+    if args.moe_forms:  # the down output's forms, before and after, one run; graph replays
+        w, rows = moe_weights(g), []
+        for T in (1, 16, 64, 512, 4096):
+            for form in MOE_FORMS:
+                row = moe_case(T, True, w, g, 1.0, form=form, graph=True)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "moe_forms": rows}, f, indent=1)
+        return
     if args.moe_parts:  # where the FP8 fused MoE's time goes, launch by launch
         w = moe_weights(g)
         before = load_before(args.before) if args.before else None
         res = {"device": torch.cuda.get_device_name(), "moe_parts": [], "act_quant": []}
-        for T in (4096,):
+        for T in (64, 4096):
             res["moe_parts"].append(moe_parts(T, w, g))
             print(T, json.dumps(res["moe_parts"][-1]), flush=True)
         res["align"] = []
-        for T in (1, 8, 32, 64, 128, 256):  # the expert sort: one program against torch ops
+        for T in (1, 8, 32, 64, 128, 256, 512, 4096):  # the expert sort (model's form) against torch ops
             ids = torch.randn(T, 256, device=DEV, generator=g).topk(8, dim=1).indices
             bm = block_m_for(T * 8, 256)
             P = aligned_rows(T * 8, 256, bm)
             si, be = torch.empty(P, device=DEV, dtype=torch.int32), torch.empty(P // bm, device=DEV, dtype=torch.int32)
             row = {"T": T, "N": T * 8}
             row["torch_ops_us"] = replay_ms(lambda i=ids, m=bm: moe_align_torch(i, 256, m)) * 1e3
-            if T * 8 <= ALIGN_KERNEL_MAX:
-                kernel = lambda i=ids, s_=si, b_=be, m=bm: launch_moe_align(i.flatten(), 256, m, s_, b_)  # noqa: E731
-                row["kernel_us"] = replay_ms(kernel) * 1e3
-                want = moe_align_torch(ids, 256, bm)
-                row["equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
+            sc = torch.empty(align_scratch_size(256, T * 8), device=DEV, dtype=torch.int32)
+            flat = ids.flatten()
+            kernel = lambda i=flat, s_=si, b_=be, m=bm, c=sc: launch_expert_sort(i, 256, m, s_, b_, c)  # noqa: E731
+            row["kernel_us"] = replay_ms(kernel) * 1e3
+            row["launches"] = 1 if T * 8 <= ALIGN_KERNEL_MAX else 4
+            want = moe_align_torch(ids, 256, bm)
+            row["equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
+            if T * 8 <= 2 * ALIGN_KERNEL_MAX:  # the chunked launches where one program serves
+                chunks = lambda i=flat, s_=si, b_=be, m=bm, c=sc: launch_moe_align_chunks(i, 256, m, s_, b_, c)  # noqa: E731
+                row["chunks_us"] = replay_ms(chunks) * 1e3
+                row["chunks_equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
             res["align"].append(row)
             print(json.dumps(row), flush=True)
         for M in (1, 64, 512, 4096, 32768):  # graph replays of 20 launches (GPU time)

@@ -9,7 +9,7 @@ from test_fp8_gemm import e4m3_round
 
 from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, quantize_fp8_blocks
 from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref, moe_align
-from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import launch_moe_gemm, moe_tile_config
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import launch_moe_gemm, launch_moe_sum, moe_tile_config
 
 
 def act_q(x):
@@ -129,14 +129,26 @@ def numpy_align(ids, E, bm):
 
 @pytest.mark.parametrize(
     "T, top_k, E, bm",
-    [(1, 8, 256, 16), (3, 2, 5, 4), (64, 8, 256, 16), (128, 8, 256, 16), (40, 4, 7, 64), (700, 8, 64, 64)],
+    [
+        (1, 8, 256, 16),
+        (3, 2, 5, 4),
+        (64, 8, 256, 16),
+        (128, 8, 256, 16),
+        (40, 4, 7, 64),
+        (205, 5, 256, 16),  # 1025 entries: the chunked launches from here
+        (129, 8, 256, 64),
+        (300, 8, 256, 64),
+        (700, 8, 64, 64),
+        (333, 4, 6, 32),
+    ],
 )
 def test_align_matches_numpy(T, top_k, E, bm, rng):
     """moe_align against its definition in numpy: one Triton program up to ALIGN_KERNEL_MAX
-    entries (128 x 8 = 1024 the largest), paddle ops above (700 x 8); other ranks' ids (-1, E,
-    E + 5) skipped; every padding slot reads N and every block past the runs -1."""
+    entries (128 x 8 = 1024 the largest), four chunked launches above (entries not a multiple of
+    the chunk); other ranks' ids (-1, E, E + 5) skipped; one expert taking every token; every
+    padding slot reads N and every block past the runs -1."""
     ids = rng.integers(-1, E + 6, (T, top_k)) if E < 100 else rng.integers(0, E, (T, top_k))
-    if T == 64:
+    if T in (64, 300):
         ids[:, 0] = 7  # one expert takes every token
     sorted_ids, block_expert = (a.numpy() for a in moe_align(paddle.to_tensor(ids), E, bm))
     want_ids, want_blocks = numpy_align(ids, E, bm)
@@ -221,11 +233,11 @@ def bf16(a: np.ndarray, nearest: bool = True) -> np.ndarray:
 
 @pytest.mark.parametrize("impl", [fused_moe, fused_moe_ref], ids=["triton", "ref"])
 def test_bf16_rounds_the_intermediate(impl, rng):
-    """bf16 inputs: the gated intermediate is kept in bf16 before the down projection (the output
-    and the down GEMM stay float32). Against float64 MoEs of the same bf16 inputs that do and do
-    not round it: the output matches the one that rounds to float32 accuracy and is 1e-3 away from
-    the other. Triton's interpreter converts float32 to bf16 toward zero (a GPU rounds to nearest
-    even), so the kernel's reference rounds that way."""
+    """bf16 inputs: the gated intermediate and each entry's weighted down output are kept in bf16
+    (the GEMMs accumulate and the sum over k adds in float32). Against float64 MoEs of the same
+    bf16 inputs that do and do not round them: the output matches the one that rounds to float32
+    accuracy and is 1e-3 away from the other. Triton's interpreter converts float32 to bf16 toward
+    zero (a GPU rounds to nearest even), so the kernel's reference rounds that way."""
     T, H, inter, E, top_k = 16, 128, 256, 4, 2
     x, ids, wts, ws, _, _ = make(rng, T, H, inter, E, top_k, False)
     xb, wb = bf16(x), [bf16(w) for w in ws]
@@ -241,7 +253,11 @@ def test_bf16_rounds_the_intermediate(impl, rng):
             for e, wt in zip(ids[tk], wts[tk], strict=True):
                 if 0 <= e < E:
                     h = silu(xb[tk] @ wb[0][e].T) * (xb[tk] @ wb[1][e].T)
-                    y[tk] += wt * ((bf16(h.astype(np.float32), nearest) if round_h else h) @ wb[2][e].T)
+                    if round_h:
+                        d = wt * (bf16(h.astype(np.float32), nearest) @ wb[2][e].T)
+                        y[tk] += bf16(d.astype(np.float32), nearest)
+                    else:
+                        y[tk] += wt * (h @ wb[2][e].T)
         return y
 
     rounded, exact = moe(True), moe(False)
@@ -272,3 +288,21 @@ def test_fp8_activation_ties_round_to_even(impl, rng):
     want = numpy_moe(x, ids, wts, *deq, True)
     err = np.linalg.norm(got - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
     assert np.median(err) < 1e-5 and err.max() < 3e-2, err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sum_over_k_skips_other_ranks_entries(dtype, rng):
+    """``launch_moe_sum`` into a NaN-filled output: each token's rows of this rank's experts
+    summed in float32; the rows of entries routed elsewhere (-1, E) are NaN and never read."""
+    T, K, H, E = 7, 3, 300, 4  # H not a multiple of the column block
+    ids = rng.integers(-1, E + 1, T * K)
+    ids[:K] = -1  # a token routed nowhere here sums to 0
+    y = rng.standard_normal((T * K, H)).astype(np.float32)
+    y[(ids < 0) | (ids >= E)] = np.nan
+    yt = paddle.to_tensor(y).astype(dtype)
+    out = paddle.full([T, H], float("nan"), "float32")
+    launch_moe_sum(yt, paddle.to_tensor(ids.astype(np.int64)), E, out)
+    rows = yt.astype("float32").numpy().astype(np.float64)
+    want = np.where(((ids >= 0) & (ids < E))[:, None], rows, 0).reshape(T, K, H).sum(1)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-6)
+    assert (out.numpy()[0] == 0).all()

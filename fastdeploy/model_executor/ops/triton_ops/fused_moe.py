@@ -6,7 +6,8 @@ w1 (gate) and w3 (up) [E, I, H], w2 (down) [E, H, I]: bf16 / float32, or e4m3 co
 scales s1, s3 float32 [E, ceil(I/128), ceil(H/128)] and s2 [E, ceil(H/128), ceil(I/128)].
 -> float32 [T, H] = sum over k of topk_weights[t, k] * down(silu(gate(x_t)) * up(x_t)) of expert
 topk_ids[t, k]. With FP8 weights each GEMM's input is quantized per row per 128 columns, as in
-the W8A8 linear (docs/design.md §4.8).
+the W8A8 linear (docs/design.md §4.8). The intermediate and each entry's weighted down output are
+kept in x's dtype (as vLLM and SGLang keep them), the sum over k in float32.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import w8a8_block_linear_
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (
     ALIGN_KERNEL_MAX,
+    align_scratch_size,
     aligned_rows,
     block_m_for,
-    launch_moe_align,
+    launch_expert_sort,
     launch_moe_gemm,
+    launch_moe_sum,
     moe_tile_config,
 )
 
@@ -30,30 +33,15 @@ def moe_align(topk_ids: paddle.Tensor, num_experts: int, block_m: int) -> tuple[
     host sync): -> sorted_ids int32 [P] (entry ids t * top_k + k; N = T * top_k marks padding) and
     block_expert int32 [P / block_m] (-1 for blocks past the last expert's run). P is the bound
     N + E * (block_m - 1), rounded up to block_m, so the launch grid depends on shapes only. Up to
-    ALIGN_KERNEL_MAX entries (decode) one Triton launch does it; above, paddle ops."""
+    ALIGN_KERNEL_MAX entries (decode) one Triton program does it; above, four launches over chunks
+    of entries."""
     flat = topk_ids.flatten().astype("int64")
     N, E = flat.shape[0], num_experts
     P = aligned_rows(N, E, block_m)
-    if N <= ALIGN_KERNEL_MAX:
-        sorted_ids, block_expert = paddle.empty([P], "int32"), paddle.empty([P // block_m], "int32")
-        launch_moe_align(flat, E, block_m, sorted_ids, block_expert)
-        return sorted_ids, block_expert
-    key = paddle.where((flat >= 0) & (flat < E), flat, paddle.full_like(flat, E))  # E: not on this rank
-    counts = paddle.bincount(key, minlength=E + 1)[:E]
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = paddle.cumsum(padded)
-    order = paddle.argsort(key, stable=True)
-    skey = key[order]
-    local = skey < E
-    e = skey.clip(max=E - 1)
-    rank_in_expert = paddle.arange(N, dtype="int64") - (paddle.cumsum(counts) - counts)[e]
-    dest = (ends - padded)[e] + rank_in_expert
-    keep = paddle.nonzero(local).flatten()  # N > ALIGN_KERNEL_MAX here: never empty input
-    sorted_ids = paddle.scatter(paddle.full([P], N, "int64"), dest[keep], order[keep], overwrite=True)
-    blocks = paddle.arange(P // block_m, dtype="int64")
-    expert = paddle.searchsorted(ends // block_m, blocks, right=True)
-    block_expert = paddle.where(expert < E, expert, paddle.full_like(expert, -1))
-    return sorted_ids.astype("int32"), block_expert.astype("int32")
+    sorted_ids, block_expert = paddle.empty([P], "int32"), paddle.empty([P // block_m], "int32")
+    scratch = paddle.empty([align_scratch_size(E, N)], "int32") if N > ALIGN_KERNEL_MAX else None
+    launch_expert_sort(flat, E, block_m, sorted_ids, block_expert, scratch)
+    return sorted_ids, block_expert
 
 
 def _quantized(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -75,7 +63,8 @@ def fused_moe(
     s2: paddle.Tensor | None = None,
 ) -> paddle.Tensor:
     """The Triton path: one sort, two grouped GEMM launches (plus activation quantization with
-    FP8 weights), one sum over top_k."""
+    FP8 weights), one sum over top_k. No buffer is zeroed: rows of entries routed to other
+    ranks are never written, quantized rows of them never read, and the sum skips them."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, inter_dim = w1.shape[0], w1.shape[1]
@@ -85,7 +74,7 @@ def fused_moe(
     fp8 = s1 is not None
     tiles = moe_tile_config(N, E, fp8, (H, inter_dim))
     x = x.contiguous()
-    inter = paddle.zeros([N, inter_dim], x.dtype)
+    inter = paddle.empty([N, inter_dim], x.dtype)
     if fp8:
         codes, scales = _quantized(x)
         launch_moe_gemm(
@@ -95,10 +84,12 @@ def fused_moe(
     else:
         launch_moe_gemm(x, w1, inter, sorted_ids, block_expert, N, K, bm, w3=w3)
         a2, a2_s = inter, None
-    y = paddle.zeros([N, H], "float32")
+    y = paddle.empty([N, H], x.dtype)
     top_w = topk_weights.astype("float32").flatten().contiguous()
     launch_moe_gemm(a2, w2, y, sorted_ids, block_expert, N, K, bm, a_s=a2_s, ws1=s2, top_w=top_w, **tiles)
-    return y.reshape([T, K, H]).sum(axis=1)
+    out = paddle.empty([T, H], "float32")
+    launch_moe_sum(y, topk_ids.flatten().astype("int64"), E, out)
+    return out
 
 
 def fused_moe_ref(
@@ -134,5 +125,7 @@ def fused_moe_ref(
         if x.dtype != paddle.float32:  # the kernel keeps the intermediate in x's dtype
             h = h.astype(x.dtype).astype("float32")
         y = lin(h, w2, s2, e) * wflat[hit].unsqueeze(-1)
+        if x.dtype != paddle.float32:  # and each entry's weighted down output
+            y = y.astype(x.dtype).astype("float32")
         out = paddle.index_add(out, tok, 0, y)
     return out

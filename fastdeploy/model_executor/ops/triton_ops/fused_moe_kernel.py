@@ -294,6 +294,102 @@ def _moe_align_kernel(
         off += tl.sum(hot, 0)
 
 
+@triton.jit
+def _align_count_kernel(
+    Ids, Counts, SortedIds, N, E, P, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr
+):
+    """Chunk c (BLOCK entries): Counts[c, e] = its entries of expert e (Counts int32 [C, BLOCK_E]);
+    and its share of SortedIds' padding fill (FILL slots a chunk; N marks padding)."""
+    c = tl.program_id(0)
+    ex = tl.arange(0, BLOCK_E)
+    i = c * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(Ids + i, mask=i < N, other=-1)
+    hot = ((e[:, None] == ex[None, :]) & (ex < E)[None, :]).to(tl.int32)
+    tl.store(Counts + c * BLOCK_E + ex, tl.sum(hot, 0))
+    j = c * FILL + tl.arange(0, FILL)
+    tl.store(SortedIds + j, N, mask=j < P)
+
+
+@triton.jit
+def _align_scan_kernel(Counts, Totals, C, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr, COLS: tl.constexpr):
+    """COLS experts a program: Counts[c, e] becomes the entries of expert e in chunks before c (an
+    exclusive scan down the chunks, BLOCK_C at a time, in place); Totals[e] its entries."""
+    ex = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    carry = tl.zeros([COLS], tl.int32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        ptr = Counts + c[:, None] * BLOCK_E + ex[None, :]
+        n = tl.load(ptr, mask=(c < C)[:, None], other=0)
+        tl.store(ptr, tl.cumsum(n, 0) - n + carry[None, :], mask=(c < C)[:, None])
+        carry += tl.sum(n, 0)
+    tl.store(Totals + ex, carry)
+
+
+@triton.jit
+def _align_starts_kernel(Totals, Starts, BlockExpert, E, P, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: each expert's run padded to BLOCK_M, Starts[e] its first row; BlockExpert[b]
+    the expert of each BLOCK_M block (-1 past the last run)."""
+    ex = tl.arange(0, BLOCK_E)
+    ex_ok = ex < E
+    counts = tl.load(Totals + ex, mask=ex_ok, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(Starts + ex, ends - padded)
+    for s in range(0, P // BLOCK_M, 64):
+        b = s + tl.arange(0, 64)
+        eb = tl.sum((((ends // BLOCK_M)[None, :] <= b[:, None]) & ex_ok[None, :]).to(tl.int32), 1)
+        tl.store(BlockExpert + b, tl.where(eb < E, eb, -1), mask=b < P // BLOCK_M)
+
+
+@triton.jit
+def _align_scatter_kernel(Ids, Counts, Starts, SortedIds, N, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Chunk c: an entry's place is its expert's start, plus the expert's entries in earlier
+    chunks (Counts after the scan), plus those before it in the chunk."""
+    c = tl.program_id(0)
+    ex = tl.arange(0, BLOCK_E)
+    i = c * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(Ids + i, mask=i < N, other=-1)
+    hot = ((e[:, None] == ex[None, :]) & (ex < E)[None, :]).to(tl.int32)
+    off = tl.load(Starts + ex) + tl.load(Counts + c * BLOCK_E + ex)
+    dest = tl.sum(hot * (tl.cumsum(hot, 0) - hot + off[None, :]), 1)
+    tl.store(SortedIds + dest, i, mask=(i < N) & (e >= 0) & (e < E))
+
+
+def align_tiles(num_experts: int, num_entries: int) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK): the expert axis padded to a power of two and the entries a chunk takes,
+    so that a chunk's one-hot [BLOCK, BLOCK_E] stays within 8192 values."""
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    return block_e, max(16, min(64, triton.next_power_of_2(max(num_entries, 1)), 8192 // block_e))
+
+
+def launch_moe_align_chunks(ids, num_experts: int, block_m: int, sorted_ids, block_expert, scratch) -> None:
+    """``launch_moe_align``'s result for any N, in four launches over chunks of entries (count,
+    scan, starts, scatter; no host sync). scratch int32 >= C * BLOCK_E + 2 * BLOCK_E
+    (``align_scratch_size``)."""
+    N, P = int(ids.shape[0]), int(sorted_ids.shape[0])
+    block_e, block = align_tiles(num_experts, N)
+    C = triton.cdiv(N, block)
+    counts, totals, starts = (
+        scratch[: C * block_e],
+        scratch[C * block_e : C * block_e + block_e],
+        scratch[C * block_e + block_e : C * block_e + 2 * block_e],
+    )
+    fill = triton.next_power_of_2(triton.cdiv(P, C))
+    launch(
+        _align_count_kernel, (C,), ids, counts, sorted_ids, N, num_experts, P, BLOCK=block, BLOCK_E=block_e, FILL=fill
+    )
+    cols = 16
+    launch(_align_scan_kernel, (block_e // cols,), counts, totals, C, BLOCK_C=64, BLOCK_E=block_e, COLS=cols)
+    launch(_align_starts_kernel, (1,), totals, starts, block_expert, num_experts, P, BLOCK_M=block_m, BLOCK_E=block_e)
+    launch(_align_scatter_kernel, (C,), ids, counts, starts, sorted_ids, N, num_experts, BLOCK=block, BLOCK_E=block_e)
+
+
+def align_scratch_size(num_experts: int, num_entries: int) -> int:
+    """int32 values of ``launch_moe_align_chunks``' scratch."""
+    block_e, block = align_tiles(num_experts, num_entries)
+    return (triton.cdiv(num_entries, block) + 2) * block_e
+
+
 def launch_moe_align(ids, num_experts: int, block_m: int, sorted_ids, block_expert) -> None:
     """ids int64 [N] (N <= ALIGN_KERNEL_MAX) -> sorted_ids int32 [P], block_expert int32
     [P / block_m], as ``_moe_align_kernel`` says; one launch, no host sync."""
@@ -317,3 +413,49 @@ def launch_moe_align(ids, num_experts: int, block_m: int, sorted_ids, block_expe
         FILL=1024,
         num_warps=4,
     )
+
+
+@triton.jit
+def _moe_sum_kernel(Y, Ids, Out, H, E, sy, so, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Out[t, cols] (float32) = the sum over k of Y[t * TOP_K + k, cols] for the entries routed to
+    this rank's experts (Ids int64 [T * TOP_K] in 0..E-1); other entries' rows, never written by
+    the down GEMM, are not read."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(Ids + t * TOP_K + k)
+        width = tl.where((e >= 0) & (e < E), H, 0)  # no column of another rank's entry
+        acc += tl.load(Y + (t * TOP_K + k) * sy + cols, mask=cols < width, other=0.0).to(tl.float32)
+    tl.store(Out + t * so + cols, acc, mask=cols < H)
+
+
+def launch_moe_sum(y, ids, num_experts: int, out) -> None:
+    """y [T * top_k, H] (the down GEMM's weighted rows, any float dtype), ids int64 [T * top_k]
+    -> out float32 [T, H]: each token's rows of this rank's experts summed, in one launch."""
+    T, H = int(out.shape[0]), int(out.shape[1])
+    top_k = int(ids.shape[0]) // max(T, 1)
+    block_h = min(1024, triton.next_power_of_2(H))
+    launch(
+        _moe_sum_kernel,
+        (T, triton.cdiv(H, block_h)),
+        y,
+        ids,
+        out,
+        H,
+        num_experts,
+        stride(y, 0),
+        stride(out, 0),
+        TOP_K=top_k,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
+
+
+def launch_expert_sort(ids, num_experts: int, block_m: int, sorted_ids, block_expert, scratch=None) -> None:
+    """The expert sort ``fused_moe.moe_align`` runs: one program up to ALIGN_KERNEL_MAX entries,
+    the chunked launches above (scratch: ``align_scratch_size`` int32 values)."""
+    if int(ids.shape[0]) <= ALIGN_KERNEL_MAX:
+        launch_moe_align(ids, num_experts, block_m, sorted_ids, block_expert)
+    else:
+        launch_moe_align_chunks(ids, num_experts, block_m, sorted_ids, block_expert, scratch)
