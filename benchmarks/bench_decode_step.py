@@ -45,6 +45,7 @@ from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa:
     aligned_rows,
     block_m_for,
     launch_expert_sort,
+    launch_moe_align,
     launch_moe_gemm,
     launch_moe_sum,
 )
@@ -76,8 +77,9 @@ STEP_END = [
 DEV = "cuda"
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V = 7168, 1536, 512, 64, 128, 128
 EXPERTS, TOPK, MOE_INTER, SHARED_INTER, VOCAB, LAYERS = 256, 8, 2048, 2048, 129280, 61
-# Each earlier form put back, cumulatively in this order (layer_case's graph_<form>_ms).
-BEFORE_FORMS = ("eager_cfg", "torch_rope", "torch_norm", "torch_align", "torch_sum")
+# layer_case's graph_<form>_ms: the eager GEMM configs; the expert sort and the sum over k as
+# before this round; then each earlier form put back, cumulatively in this order.
+BEFORE_FORMS = ("eager_cfg", "prev_round", "torch_rope", "torch_norm", "torch_align", "torch_sum")
 
 
 # The Triton kernels of one layer's decode step at M rows, in launch order (``_combine_kernel``
@@ -220,7 +222,7 @@ class Layer:
         self.sorted_ids = torch.empty(P, device=DEV, dtype=torch.int32)
         self.block_expert = torch.empty(P // self.bm, device=DEV, dtype=torch.int32)
         self.align_scratch = torch.empty(align_scratch_size(EXPERTS, N), device=DEV, dtype=torch.int32)
-        self.align_kernel = True
+        self.align_form = "model"  # or "one_program" (up to 1024 entries, torch ops above), "torch"
         self.sum_kernel = True
         self.rms_kernel = True
         self.rope_kernel = True
@@ -270,9 +272,11 @@ class Layer:
         h = rms(x, self.norms[3], k)
         scores = (h @ self.router.T).float().sigmoid()
         wts, ids = scores.topk(TOPK, dim=-1)
-        if self.align_kernel:  # the model's form: one launch, four above ALIGN_KERNEL_MAX entries
-            sorted_ids, block_expert = self.sorted_ids, self.block_expert
+        sorted_ids, block_expert = self.sorted_ids, self.block_expert
+        if self.align_form == "model":  # one launch, four above ALIGN_KERNEL_MAX entries
             launch_expert_sort(ids.flatten(), EXPERTS, self.bm, sorted_ids, block_expert, self.align_scratch)
+        elif self.align_form == "one_program" and B * TOPK <= 1024:  # the model's form before
+            launch_moe_align(ids.flatten(), EXPERTS, self.bm, sorted_ids, block_expert)
         else:  # the earlier form: torch ops (what moe_align did in paddle ops)
             sorted_ids, block_expert = moe_align_torch(ids, EXPERTS, self.bm)
         launch_act_quant(h, self.xc, self.xs)
@@ -362,14 +366,17 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
     finite &= bool(torch.isfinite(layer(x).float()).all())
     replay = replay_ms(layer, x)
     ksum = kernel_sum_ms(lambda: layer(x))
+    layer.align_form, layer.sum_kernel = "one_program", False
+    replay_prev_round = replay_ms(layer, x)  # the expert sort and the sum over k as before this round
+    layer.align_form, layer.sum_kernel = "model", True
     layer.rope_kernel = False
     replay_torch_rope = replay_ms(layer, x)
     layer.rms_kernel = False
     replay_torch_norm = replay_ms(layer, x)
-    layer.align_kernel = False
+    layer.align_form = "torch"
     replay_torch_align = replay_ms(layer, x)
     layer.sum_kernel = False
-    replay_torch_sum = replay_ms(layer, x)  # every earlier form: the layer before this round
+    replay_torch_sum = replay_ms(layer, x)  # every earlier form put back
     layer = None  # free the weights and caches before the next case
     torch.cuda.empty_cache()
     return {
@@ -380,6 +387,7 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
         "eager_ms": eager,
         "graph_ms": replay,
         "graph_eager_cfg_ms": replay_eager_cfg,
+        "graph_prev_round_ms": replay_prev_round,
         "graph_torch_rope_ms": replay_torch_rope,
         "graph_torch_norm_ms": replay_torch_norm,
         "graph_torch_align_ms": replay_torch_align,
@@ -485,7 +493,8 @@ def main() -> None:
         tuple(int(b) for b in a.batches.split(",")) if a.batches else (1, 8, 64) if a.quick else (1, 8, 32, 128, 256)
     )
     rows, proj = [], []
-    cols = ("eager ms", "graph ms", "eager configs", "torch rope", "+ norms", "+ sort", "+ zeroed f32 sum")
+    cols = ("eager ms", "graph ms", "eager configs", "sort + sum before", "torch rope", "+ norms", "+ torch sort")
+    cols += ("+ zeroed f32 sum",)
     cols += ("kernel sum ms", "eager/graph", "graph/kernel sum")
     print("| TP | B | ctx | layer | " + " | ".join(cols) + " |")
     print("|---" * (4 + len(cols)) + "|")
@@ -501,7 +510,8 @@ def main() -> None:
                     per[r["kind"]] = r
                     print(
                         f"| {tp} | {B} | {ctx} | {r['kind']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
-                        f"{r['graph_eager_cfg_ms']:.3f} | {r['graph_torch_rope_ms']:.3f} | "
+                        f"{r['graph_eager_cfg_ms']:.3f} | {r['graph_prev_round_ms']:.3f} | "
+                        f"{r['graph_torch_rope_ms']:.3f} | "
                         f"{r['graph_torch_norm_ms']:.3f} | "
                         f"{r['graph_torch_align_ms']:.3f} | {r['graph_torch_sum_ms']:.3f} | "
                         f"{r['kernel_sum_ms']:.3f} | {r['graph_speedup']:.2f} | "
@@ -518,8 +528,11 @@ def main() -> None:
                 row.update({f"tpot_{form}_ms": tpot_of(f"graph_{form}_ms") for form in BEFORE_FORMS})
                 proj.append({**row, "tok_s_per_gpu": B / tpot * 1e3 / tp, "tail_ms": tail})
     print("\nProjected decode (61 layers, graph replay, + LM head and sampler; no all-reduce):")
-    print("| TP | B | ctx | ms / token | eager configs | torch rope | + norms | + sort | + sum | tokens/s per GPU |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| TP | B | ctx | ms / token | eager configs | sort + sum before | torch rope | + norms | + torch sort | + sum"
+    )
+    print(head + " | tokens/s per GPU |")
+    print("|---" * 11 + "|")
     for p in proj:
         before = " | ".join(f"{p[f'tpot_{form}_ms']:.2f}" for form in BEFORE_FORMS)
         print(f"| {p['tp']} | {p['B']} | {p['ctx']} | {p['tpot_ms']:.2f} | {before} | {p['tok_s_per_gpu']:.0f} |")

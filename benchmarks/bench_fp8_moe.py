@@ -47,6 +47,7 @@ from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa:
     aligned_rows,
     block_m_for,
     launch_expert_sort,
+    launch_moe_align,
     launch_moe_align_chunks,
     launch_moe_gemm,
     launch_moe_sum,
@@ -393,10 +394,11 @@ def moe_case(
     form: str = "bf16_sum_kernel",
     graph: bool = False,
 ) -> dict:
-    """form: ``zero_sum``, the form before: the expert sort in torch ops (the paddle-ops form
-    above 1024 entries), float32 down rows and the intermediate zeroed every call, torch's sum over
-    k; ``f32_sum_kernel`` / ``bf16_sum_kernel``: the model's sort (``launch_expert_sort``), rows in
-    float32 / bf16 (the model's: x's dtype), never zeroed, summed by ``_moe_sum_kernel``.
+    """form: ``zero_sum``, the form before: the expert sort in one program up to 1024 entries and
+    in torch ops (the paddle-ops form) above, float32 down rows and the intermediate zeroed every
+    call, torch's sum over k; ``f32_sum_kernel`` / ``bf16_sum_kernel``: the model's sort
+    (``launch_expert_sort``), rows in float32 / bf16 (the model's: x's dtype), never zeroed, summed
+    by ``_moe_sum_kernel``.
     graph: time a CUDA-graph replay at every T (else at T <= 64) and skip the naive loop."""
     E, inter, H = w["w1"].shape
     K = 8
@@ -418,8 +420,11 @@ def moe_case(
     scratch = torch.empty(align_scratch_size(E, N), device=DEV, dtype=torch.int32)
 
     def ours():
-        if form == "zero_sum":  # the sort in torch ops, as moe_align did in paddle ops above 1024 entries
+        if form == "zero_sum" and N > 1024:  # the sort before: paddle ops (here torch) above 1024 entries
             sorted_ids, block_expert = moe_align_torch(ids, E, bm)
+        elif form == "zero_sum":  # and one program up to them
+            sorted_ids, block_expert = si_buf, be_buf
+            launch_moe_align(flat_ids, E, bm, sorted_ids, block_expert)
         else:
             sorted_ids, block_expert = si_buf, be_buf
             launch_expert_sort(flat_ids, E, bm, sorted_ids, block_expert, scratch)
@@ -548,7 +553,7 @@ def main() -> None:
             res["moe_parts"].append(moe_parts(T, w, g))
             print(T, json.dumps(res["moe_parts"][-1]), flush=True)
         res["align"] = []
-        for T in (1, 8, 32, 64, 128, 256, 512, 4096):  # the expert sort (model's form) against torch ops
+        for T in (1, 8, 16, 32, 64, 128, 256, 512, 4096):  # the expert sort's forms against torch ops
             ids = torch.randn(T, 256, device=DEV, generator=g).topk(8, dim=1).indices
             bm = block_m_for(T * 8, 256)
             P = aligned_rows(T * 8, 256, bm)
@@ -557,15 +562,17 @@ def main() -> None:
             row["torch_ops_us"] = replay_ms(lambda i=ids, m=bm: moe_align_torch(i, 256, m)) * 1e3
             sc = torch.empty(align_scratch_size(256, T * 8), device=DEV, dtype=torch.int32)
             flat = ids.flatten()
-            kernel = lambda i=flat, s_=si, b_=be, m=bm, c=sc: launch_expert_sort(i, 256, m, s_, b_, c)  # noqa: E731
-            row["kernel_us"] = replay_ms(kernel) * 1e3
-            row["launches"] = 1 if T * 8 <= ALIGN_KERNEL_MAX else 4
             want = moe_align_torch(ids, 256, bm)
-            row["equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
-            if T * 8 <= 2 * ALIGN_KERNEL_MAX:  # the chunked launches where one program serves
-                chunks = lambda i=flat, s_=si, b_=be, m=bm, c=sc: launch_moe_align_chunks(i, 256, m, s_, b_, c)  # noqa: E731
-                row["chunks_us"] = replay_ms(chunks) * 1e3
-                row["chunks_equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
+            forms = {"model": lambda i=flat, s_=si, b_=be, m=bm, c=sc: launch_expert_sort(i, 256, m, s_, b_, c)}
+            forms["chunks"] = lambda i=flat, s_=si, b_=be, m=bm, c=sc: launch_moe_align_chunks(i, 256, m, s_, b_, c)
+            if T * 8 <= 1024:  # one program (the model's form up to 1024 entries before)
+                forms["one_program"] = lambda i=flat, s_=si, b_=be, m=bm: launch_moe_align(i, 256, m, s_, b_)
+            row["model_launches"] = 1 if T * 8 <= ALIGN_KERNEL_MAX else 4
+            for name, fn in forms.items():
+                si.fill_(-7)
+                be.fill_(-7)
+                row[f"{name}_us"] = replay_ms(fn) * 1e3
+                row[f"{name}_equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
             res["align"].append(row)
             print(json.dumps(row), flush=True)
         for M in (1, 64, 512, 4096, 32768):  # graph replays of 20 launches (GPU time)

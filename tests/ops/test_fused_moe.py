@@ -9,7 +9,15 @@ from test_fp8_gemm import e4m3_round
 
 from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, quantize_fp8_blocks
 from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref, moe_align
-from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import launch_moe_gemm, launch_moe_sum, moe_tile_config
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (
+    ALIGN_KERNEL_MAX,
+    align_scratch_size,
+    launch_moe_align,
+    launch_moe_align_chunks,
+    launch_moe_gemm,
+    launch_moe_sum,
+    moe_tile_config,
+)
 
 
 def act_q(x):
@@ -144,9 +152,9 @@ def numpy_align(ids, E, bm):
 )
 def test_align_matches_numpy(T, top_k, E, bm, rng):
     """moe_align against its definition in numpy: one Triton program up to ALIGN_KERNEL_MAX
-    entries (128 x 8 = 1024 the largest), four chunked launches above (entries not a multiple of
-    the chunk); other ranks' ids (-1, E, E + 5) skipped; one expert taking every token; every
-    padding slot reads N and every block past the runs -1."""
+    entries, four chunked launches above (entries not a multiple of the chunk); other ranks' ids
+    (-1, E, E + 5) skipped; one expert taking every token; every padding slot reads N and every
+    block past the runs -1. Each case also through the other form: both give the definition."""
     ids = rng.integers(-1, E + 6, (T, top_k)) if E < 100 else rng.integers(0, E, (T, top_k))
     if T in (64, 300):
         ids[:, 0] = 7  # one expert takes every token
@@ -154,6 +162,16 @@ def test_align_matches_numpy(T, top_k, E, bm, rng):
     want_ids, want_blocks = numpy_align(ids, E, bm)
     np.testing.assert_array_equal(sorted_ids, want_ids)
     np.testing.assert_array_equal(block_expert, want_blocks)
+    flat = paddle.to_tensor(ids.reshape(-1).astype(np.int64))
+    other_ids = paddle.full(want_ids.shape, -7, "int32")  # poisoned: every slot must be written
+    other_blocks = paddle.full(want_blocks.shape, -7, "int32")
+    if ids.size <= ALIGN_KERNEL_MAX:
+        scratch = paddle.full([align_scratch_size(E, ids.size)], -7, "int32")
+        launch_moe_align_chunks(flat, E, bm, other_ids, other_blocks, scratch)
+    else:
+        launch_moe_align(flat, E, bm, other_ids, other_blocks)
+    np.testing.assert_array_equal(other_ids.numpy(), want_ids)
+    np.testing.assert_array_equal(other_blocks.numpy(), want_blocks)
 
 
 def test_gated_gemm_writes_only_routed_rows(rng):

@@ -33,8 +33,8 @@ def moe_align(topk_ids: paddle.Tensor, num_experts: int, block_m: int) -> tuple[
     host sync): -> sorted_ids int32 [P] (entry ids t * top_k + k; N = T * top_k marks padding) and
     block_expert int32 [P / block_m] (-1 for blocks past the last expert's run). P is the bound
     N + E * (block_m - 1), rounded up to block_m, so the launch grid depends on shapes only. Up to
-    ALIGN_KERNEL_MAX entries (decode) one Triton program does it; above, four launches over chunks
-    of entries."""
+    ALIGN_KERNEL_MAX entries one Triton program does it; above, four launches over chunks of
+    entries."""
     flat = topk_ids.flatten().astype("int64")
     N, E = flat.shape[0], num_experts
     P = aligned_rows(N, E, block_m)

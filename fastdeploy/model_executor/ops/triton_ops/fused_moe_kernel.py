@@ -242,10 +242,11 @@ def _weight_desc(w, block_n: int):
     return e4m3_descriptor(w.reshape([E * n, K]), block_n)
 
 
-# Routed entries up to which one program sorts them: on the H200 (h200_2026-12-04_moe_parts_align
-# .json) it beats the paddle-ops form's torch mirror up to 1024 entries (68 against 88 us) and
-# loses above (2048: 125 against 90), since its chunks run one after another.
-ALIGN_KERNEL_MAX = 1024
+# Routed entries up to which one program sorts them (``_moe_align_kernel``), the chunked launches
+# above: on the H200, as graph replays (h200_2026-12-04_moe_parts_chunked.json), one program takes
+# 11.6 / 13.1 us at 8 / 64 entries against 11.7 / 14.3 for the chunks, and 23 / 38 / 66 us at 256 /
+# 512 / 1024 against 14 / 16 / 16, since its chunks run one after another.
+ALIGN_KERNEL_MAX = 64
 
 
 @triton.jit
@@ -391,11 +392,10 @@ def align_scratch_size(num_experts: int, num_entries: int) -> int:
 
 
 def launch_moe_align(ids, num_experts: int, block_m: int, sorted_ids, block_expert) -> None:
-    """ids int64 [N] (N <= ALIGN_KERNEL_MAX) -> sorted_ids int32 [P], block_expert int32
-    [P / block_m], as ``_moe_align_kernel`` says; one launch, no host sync."""
+    """ids int64 [N] -> sorted_ids int32 [P], block_expert int32 [P / block_m], as
+    ``_moe_align_kernel`` says; one launch, no host sync (``launch_expert_sort`` takes it up to
+    ALIGN_KERNEL_MAX entries)."""
     N, P = int(ids.shape[0]), int(sorted_ids.shape[0])
-    if N > ALIGN_KERNEL_MAX:
-        raise ValueError(f"moe align: {N} entries, the one-program kernel takes <= {ALIGN_KERNEL_MAX}")
     block_e = max(16, triton.next_power_of_2(num_experts))
     block = max(16, min(64, triton.next_power_of_2(max(N, 1)), 8192 // block_e))
     launch(
