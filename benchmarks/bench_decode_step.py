@@ -50,6 +50,7 @@ from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa:
     launch_moe_sum,
 )
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import launch_write_mla_fp8_cache  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.moe_route_kernel import launch_moe_route  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.rms_norm_kernel import launch_rms_norm  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.rotary_kernel import launch_rope  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (  # noqa: E402
@@ -77,9 +78,18 @@ STEP_END = [
 DEV = "cuda"
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V = 7168, 1536, 512, 64, 128, 128
 EXPERTS, TOPK, MOE_INTER, SHARED_INTER, VOCAB, LAYERS = 256, 8, 2048, 2048, 129280, 61
-# layer_case's graph_<form>_ms: the eager GEMM configs; the expert sort and the sum over k as
-# before this round; then each earlier form put back, cumulatively in this order.
-BEFORE_FORMS = ("eager_cfg", "prev_round", "torch_rope", "torch_norm", "torch_align", "torch_sum")
+GROUPS, TOPK_GROUPS, ROUTED_SCALE = 8, 4, 2.5  # DeepSeek-V3's noaux_tc routing
+# layer_case's graph_<form>_ms and their column titles: the eager GEMM configs; the routing, expert
+# sort and sum over k as before this round; then each earlier form put back, cumulatively in order.
+BEFORE_FORMS = {
+    "eager_cfg": "eager configs",
+    "prev_round": "routing + sort + sum before",
+    "torch_rope": "torch rope",
+    "torch_norm": "+ norms",
+    "torch_align": "+ torch sort",
+    "torch_sum": "+ zeroed f32 sum",
+    "torch_route": "+ torch routing",
+}
 
 
 # The Triton kernels of one layer's decode step at M rows, in launch order (``_combine_kernel``
@@ -105,7 +115,7 @@ def mlp_kernels(M: int, moe: bool) -> list[str]:
     chunks = ["_align_count_kernel", "_align_scan_kernel", "_align_starts_kernel", "_align_scatter_kernel"]
     align = ["_moe_align_kernel"] if M * TOPK <= ALIGN_KERNEL_MAX else chunks
     gemms = ["_act_quant_kernel", "_moe_gemm_kernel"] * 2
-    routed = align + gemms + ["_moe_sum_kernel"]
+    routed = ["_moe_route_kernel"] + align + gemms + ["_moe_sum_kernel"]
     routed = routed if moe else []
     return ["_rms_norm_kernel"] + routed + linear_kernels(M) * 3
 
@@ -142,6 +152,36 @@ class Linear8:
             launch_act_quant(x, self.a, self.a_s)
             launch_w8a8_gemm(self.a, self.a_s, self.w, self.ws, self.out, self.cfg, self.part, self.counters)
         return self.out
+
+
+def route_torch(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``MoEGate``'s paddle ops after the router GEMM, in torch: the routing's earlier form."""
+    B = logits.shape[0]
+    scores = logits.sigmoid()
+    choice = scores + bias
+    grouped = choice.view(B, GROUPS, -1)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+    top_groups = group_scores.topk(TOPK_GROUPS, dim=-1)[1]
+    ones = torch.ones_like(top_groups, dtype=torch.float32)
+    mask = torch.zeros(B, GROUPS, device=DEV).scatter(1, top_groups, ones)
+    masked = torch.where(mask.unsqueeze(-1).expand_as(grouped).reshape(B, -1) > 0, choice, float("-inf"))
+    ids = masked.topk(TOPK, dim=-1)[1]
+    w = scores.gather(1, ids)
+    return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * ROUTED_SCALE
+
+
+def route_check(g: torch.Generator, B: int = 256) -> dict:
+    """The routing kernel against its torch form on the GPU: the same experts for every token,
+    weights within 1e-5."""
+    logits = torch.randn(B, EXPERTS, device=DEV, generator=g) * 2
+    bias = torch.randn(EXPERTS, device=DEV, generator=g) * 0.1
+    ids, w = torch.empty(B, TOPK, device=DEV, dtype=torch.int64), torch.empty(B, TOPK, device=DEV)
+    launch_moe_route(logits, bias, ids, w, GROUPS, TOPK_GROUPS, True, ROUTED_SCALE)
+    want_ids, want_w = route_torch(logits, bias)
+    a, ia = ids.sort(1)
+    b, ib = want_ids.sort(1)
+    err = (w.gather(1, ia) - want_w.gather(1, ib)).abs().max().item()
+    return {"tokens": B, "same_experts": bool(torch.equal(a, b)), "max_weight_err": err}
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, kernel: bool = True) -> torch.Tensor:
@@ -185,6 +225,10 @@ class Layer:
         self.shared_up = Linear8(SHARED_INTER // tp, HIDDEN, B, g)
         self.shared_down = Linear8(HIDDEN, SHARED_INTER // tp, B, g)
         self.router = (torch.randn(EXPERTS, HIDDEN, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+        self.router_bias = torch.randn(EXPERTS, device=DEV, generator=g) * 0.1
+        self.route_ids = torch.empty(B, TOPK, device=DEV, dtype=torch.int64)
+        self.route_w = torch.empty(B, TOPK, device=DEV)
+        self.route_kernel = True
         self.norms = [torch.rand(n, device=DEV, generator=g) + 0.5 for n in (HIDDEN, Q_LORA, KV_LORA, HIDDEN)]
         self.w_uk = (torch.randn(H, NOPE, KV_LORA, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
         self.w_uv = (torch.randn(H, KV_LORA, V, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
@@ -270,8 +314,13 @@ class Layer:
         o = torch.bmm(self.attn_out.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(B, H * V)
         x = x + self.o(o.contiguous())
         h = rms(x, self.norms[3], k)
-        scores = (h @ self.router.T).float().sigmoid()
-        wts, ids = scores.topk(TOPK, dim=-1)
+        logits = h.float() @ self.router.float().T  # the model's router GEMM, in float32
+        if self.route_kernel:  # the model's form: one launch
+            ids, top_w = self.route_ids, self.route_w
+            launch_moe_route(logits, self.router_bias, ids, top_w, GROUPS, TOPK_GROUPS, True, ROUTED_SCALE)
+        else:  # the earlier form: MoEGate's paddle ops, mirrored in torch
+            ids, top_w = route_torch(logits, self.router_bias)
+        top_w = top_w.flatten()
         sorted_ids, block_expert = self.sorted_ids, self.block_expert
         if self.align_form == "model":  # one launch, four above ALIGN_KERNEL_MAX entries
             launch_expert_sort(ids.flatten(), EXPERTS, self.bm, sorted_ids, block_expert, self.align_scratch)
@@ -296,7 +345,6 @@ class Layer:
             ws3=self.w3s,
         )
         launch_act_quant(self.h, self.hc, self.hs)
-        top_w = (wts / wts.sum(-1, keepdim=True)).flatten().contiguous()
         y = self.y if self.sum_kernel else self.y32.zero_()  # the earlier form: float32 rows zeroed, torch's sum
         launch_moe_gemm(
             self.hc, self.w2, y, sorted_ids, block_expert, N, TOPK, self.bm, a_s=self.hs, ws1=self.w2s, top_w=top_w
@@ -366,9 +414,9 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
     finite &= bool(torch.isfinite(layer(x).float()).all())
     replay = replay_ms(layer, x)
     ksum = kernel_sum_ms(lambda: layer(x))
-    layer.align_form, layer.sum_kernel = "one_program", False
-    replay_prev_round = replay_ms(layer, x)  # the expert sort and the sum over k as before this round
-    layer.align_form, layer.sum_kernel = "model", True
+    layer.align_form, layer.sum_kernel, layer.route_kernel = "one_program", False, False
+    replay_prev_round = replay_ms(layer, x)  # the routing, expert sort and sum over k as before this round
+    layer.align_form, layer.sum_kernel, layer.route_kernel = "model", True, True
     layer.rope_kernel = False
     replay_torch_rope = replay_ms(layer, x)
     layer.rms_kernel = False
@@ -376,7 +424,9 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
     layer.align_form = "torch"
     replay_torch_align = replay_ms(layer, x)
     layer.sum_kernel = False
-    replay_torch_sum = replay_ms(layer, x)  # every earlier form put back
+    replay_torch_sum = replay_ms(layer, x)
+    layer.route_kernel = False
+    replay_torch_route = replay_ms(layer, x)  # every earlier form put back
     layer = None  # free the weights and caches before the next case
     torch.cuda.empty_cache()
     return {
@@ -392,6 +442,7 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
         "graph_torch_norm_ms": replay_torch_norm,
         "graph_torch_align_ms": replay_torch_align,
         "graph_torch_sum_ms": replay_torch_sum,
+        "graph_torch_route_ms": replay_torch_route,
         "kernel_sum_ms": ksum,
         "graph_speedup": eager / replay,
         "graph_vs_kernel_sum": replay / ksum,
@@ -493,8 +544,9 @@ def main() -> None:
         tuple(int(b) for b in a.batches.split(",")) if a.batches else (1, 8, 64) if a.quick else (1, 8, 32, 128, 256)
     )
     rows, proj = [], []
-    cols = ("eager ms", "graph ms", "eager configs", "sort + sum before", "torch rope", "+ norms", "+ torch sort")
-    cols += ("+ zeroed f32 sum",)
+    check = route_check(g)
+    print("routing kernel against its torch form:", json.dumps(check))
+    cols = ("eager ms", "graph ms", *BEFORE_FORMS.values())
     cols += ("kernel sum ms", "eager/graph", "graph/kernel sum")
     print("| TP | B | ctx | layer | " + " | ".join(cols) + " |")
     print("|---" * (4 + len(cols)) + "|")
@@ -510,10 +562,8 @@ def main() -> None:
                     per[r["kind"]] = r
                     print(
                         f"| {tp} | {B} | {ctx} | {r['kind']} | {r['eager_ms']:.3f} | {r['graph_ms']:.3f} | "
-                        f"{r['graph_eager_cfg_ms']:.3f} | {r['graph_prev_round_ms']:.3f} | "
-                        f"{r['graph_torch_rope_ms']:.3f} | "
-                        f"{r['graph_torch_norm_ms']:.3f} | "
-                        f"{r['graph_torch_align_ms']:.3f} | {r['graph_torch_sum_ms']:.3f} | "
+                        + " | ".join(f"{r[f'graph_{form}_ms']:.3f}" for form in BEFORE_FORMS)
+                        + " | "
                         f"{r['kernel_sum_ms']:.3f} | {r['graph_speedup']:.2f} | "
                         f"{r['graph_vs_kernel_sum']:.2f} |",
                         flush=True,
@@ -528,17 +578,23 @@ def main() -> None:
                 row.update({f"tpot_{form}_ms": tpot_of(f"graph_{form}_ms") for form in BEFORE_FORMS})
                 proj.append({**row, "tok_s_per_gpu": B / tpot * 1e3 / tp, "tail_ms": tail})
     print("\nProjected decode (61 layers, graph replay, + LM head and sampler; no all-reduce):")
-    head = (
-        "| TP | B | ctx | ms / token | eager configs | sort + sum before | torch rope | + norms | + torch sort | + sum"
-    )
-    print(head + " | tokens/s per GPU |")
-    print("|---" * 11 + "|")
+    print("| TP | B | ctx | ms / token | " + " | ".join(BEFORE_FORMS.values()) + " | tokens/s per GPU |")
+    print("|---" * (5 + len(BEFORE_FORMS)) + "|")
     for p in proj:
         before = " | ".join(f"{p[f'tpot_{form}_ms']:.2f}" for form in BEFORE_FORMS)
         print(f"| {p['tp']} | {p['B']} | {p['ctx']} | {p['tpot_ms']:.2f} | {before} | {p['tok_s_per_gpu']:.0f} |")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"layers": rows, "projection": proj, "window": a.window, "swa_fraction": a.swa_fraction}, fh)
+            json.dump(
+                {
+                    "layers": rows,
+                    "projection": proj,
+                    "window": a.window,
+                    "swa_fraction": a.swa_fraction,
+                    "route_check": check,
+                },
+                fh,
+            )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, FP8Linear, RowParallelLinear
 from fastdeploy.model_executor.ops.fp8_numerics import FP8_BLOCK
 from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref
+from fastdeploy.model_executor.ops.triton_ops.moe_route_kernel import launch_moe_route
 
 
 class MLP(nn.Layer):
@@ -49,8 +50,9 @@ class MLP(nn.Layer):
 class MoEGate(nn.Layer):
     """Router: [T, hidden] -> (expert ids int64 [T, k], weights float32 [T, k])."""
 
-    def __init__(self, cfg: ModelConfig, dtype: str) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: str, triton: bool = False) -> None:
         super().__init__()
+        self.triton = triton  # the routing after the router GEMM as one launch (moe_route_kernel)
         if cfg.scoring_func != "sigmoid" or cfg.topk_method != "noaux_tc":
             raise ValueError(
                 f"config keys 'scoring_func'={cfg.scoring_func!r} / 'topk_method'={cfg.topk_method!r}: only "
@@ -58,6 +60,11 @@ class MoEGate(nn.Layer):
             )
         if cfg.n_routed_experts % cfg.n_group:
             raise ValueError(f"config key 'n_group'={cfg.n_group} must divide n_routed_experts={cfg.n_routed_experts}")
+        if cfg.topk_group * (cfg.n_routed_experts // cfg.n_group) < cfg.num_experts_per_tok:
+            raise ValueError(
+                f"config keys 'topk_group'={cfg.topk_group} groups of {cfg.n_routed_experts // cfg.n_group} experts "
+                f"hold fewer than 'num_experts_per_tok'={cfg.num_experts_per_tok}"
+            )
         self.cfg = cfg
         self.weight = self.create_parameter([cfg.n_routed_experts, cfg.hidden_size], dtype=dtype)
         self.e_score_correction_bias = self.create_parameter([cfg.n_routed_experts], dtype="float32", is_bias=True)
@@ -65,7 +72,16 @@ class MoEGate(nn.Layer):
     def forward(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         c = self.cfg
         T = x.shape[0]
-        scores = F.sigmoid(paddle.matmul(x.astype("float32"), self.weight.astype("float32"), transpose_y=True))
+        logits = paddle.matmul(x.astype("float32"), self.weight.astype("float32"), transpose_y=True)
+        if self.triton:
+            ids = paddle.empty([T, c.num_experts_per_tok], "int64")
+            w = paddle.empty([T, c.num_experts_per_tok], "float32")
+            bias = self.e_score_correction_bias.detach()
+            launch_moe_route(
+                logits.detach(), bias, ids, w, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor
+            )
+            return ids, w
+        scores = F.sigmoid(logits)
         choice = scores + self.e_score_correction_bias
         grouped = choice.reshape([T, c.n_group, -1])
         group_scores = paddle.topk(grouped, k=min(2, grouped.shape[-1]), axis=-1)[0].sum(axis=-1)
@@ -91,7 +107,7 @@ class DeepseekV3MoE(nn.Layer):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.gate = MoEGate(cfg, dtype)
+        self.gate = MoEGate(cfg, dtype, triton)
         self.expert_range = tp.shard(cfg.n_routed_experts, "n_routed_experts")
         E = self.expert_range[1] - self.expert_range[0]
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
