@@ -38,6 +38,9 @@ from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     mla_prefill_kernel as prefill,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
+    moe_route_kernel as route,
+)
+from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     rms_norm_kernel as norm,
 )
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
@@ -262,6 +265,56 @@ def cases():
             "FILL": "constexpr",
         },
         {"BLOCK_M": 16, "BLOCK_E": 256, "BLOCK": 32, "FILL": 1024},
+        {"num_warps": 4},
+    )
+    i32 = dict.fromkeys(("N", "E", "P"), "i32")
+    yield (
+        "moe_align_count",
+        moe._align_count_kernel,
+        {"Ids": "*i64", "Counts": "*i32", "SortedIds": "*i32", **i32}
+        | {"BLOCK": "constexpr", "BLOCK_E": "constexpr", "FILL": "constexpr"},
+        {"BLOCK": 32, "BLOCK_E": 256, "FILL": 64},
+        {"num_warps": 4},
+    )
+    yield (
+        "moe_align_scan",
+        moe._align_scan_kernel,
+        {"Counts": "*i32", "Totals": "*i32", "C": "i32", "BLOCK_C": "constexpr", "BLOCK_E": "constexpr"}
+        | {"COLS": "constexpr"},
+        {"BLOCK_C": 64, "BLOCK_E": 256, "COLS": 16},
+        {"num_warps": 4},
+    )
+    yield (
+        "moe_align_starts",
+        moe._align_starts_kernel,
+        {"Totals": "*i32", "Starts": "*i32", "BlockExpert": "*i32", "E": "i32", "P": "i32"}
+        | {"BLOCK_M": "constexpr", "BLOCK_E": "constexpr"},
+        {"BLOCK_M": 64, "BLOCK_E": 256},
+        {"num_warps": 4},
+    )
+    yield (
+        "moe_align_scatter",
+        moe._align_scatter_kernel,
+        {"Ids": "*i64", "Counts": "*i32", "Starts": "*i32", "SortedIds": "*i32", "N": "i32", "E": "i32"}
+        | {"BLOCK": "constexpr", "BLOCK_E": "constexpr"},
+        {"BLOCK": 32, "BLOCK_E": 256},
+        {"num_warps": 4},
+    )
+    yield (
+        "moe_sum",
+        moe._moe_sum_kernel,
+        {"Y": "*bf16", "Ids": "*i64", "Out": "*fp32", **dict.fromkeys(("H", "E", "sy", "so"), "i32")}
+        | {"TOP_K": "constexpr", "BLOCK_H": "constexpr"},
+        {"TOP_K": 8, "BLOCK_H": 1024},
+        {"num_warps": 4},
+    )
+    yield (
+        "moe_route",
+        route._moe_route_kernel,
+        {"Z": "*fp32", "Bias": "*fp32", "Ids": "*i64", "W": "*fp32", "E": "i32", "G": "i32", "sz": "i32"}
+        | {"scale": "fp32"}
+        | dict.fromkeys(("N_GROUP", "TOPK_GROUP", "TOP_K", "NORM", "BLOCK_E", "BLOCK_G", "BLOCK_K"), "constexpr"),
+        {"N_GROUP": 8, "TOPK_GROUP": 4, "TOP_K": 8, "NORM": True, "BLOCK_E": 256, "BLOCK_G": 8, "BLOCK_K": 8},
         {"num_warps": 4},
     )
     tiles = {"EPS": sampler.SAMPLING_EPS, "BLOCK": 2048}
