@@ -386,6 +386,49 @@ def kernel_sum_ms(fn, iters: int = 5) -> float:
     return total / 1e3 / iters
 
 
+def graph_us(fn, n: int = 10) -> float:
+    """us a call of fn, as one CUDA graph of n calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    return events_ms(graph.replay) * 1e3 / n
+
+
+def small_kernel_rows(g: torch.Generator, before=None) -> list[dict]:
+    """Graph-replay us of the routing (by warps) and the one-program expert sort at decode
+    batches, the sort also by ``before`` (an earlier fused_moe_kernel module) and checked against
+    the torch definition into poisoned outputs (10 launches a graph)."""
+    rows = []
+    for B in (1, 8):
+        logits = torch.randn(B, EXPERTS, device=DEV, generator=g)
+        bias = torch.randn(EXPERTS, device=DEV, generator=g) * 0.1
+        ids, w = torch.empty(B, TOPK, device=DEV, dtype=torch.int64), torch.empty(B, TOPK, device=DEV)
+        launch_moe_route(logits, bias, ids, w, GROUPS, TOPK_GROUPS, True, ROUTED_SCALE)
+        N = B * TOPK
+        bm = block_m_for(N, EXPERTS)
+        P = aligned_rows(N, EXPERTS, bm)
+        si, be = torch.empty(P, device=DEV, dtype=torch.int32), torch.empty(P // bm, device=DEV, dtype=torch.int32)
+        want = moe_align_torch(ids, EXPERTS, bm)
+        row = {"B": B, "entries": N}
+        for warps in (1, 4):
+            route = (logits, bias, ids, w, GROUPS, TOPK_GROUPS, True, ROUTED_SCALE)
+            row[f"route_w{warps}_us"] = graph_us(lambda a=route, nw=warps: launch_moe_route(*a, num_warps=nw))
+        args = (ids.flatten(), EXPERTS, bm, si, be)
+        for name, mod in (("align", sys.modules[__name__]), ("align_before", before)):
+            if mod is None:
+                continue
+            si.fill_(-7)
+            be.fill_(-7)
+            row[f"{name}_us"] = graph_us(lambda m=mod, a=args: m.launch_moe_align(*a))
+            row[f"{name}_equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def replay_ms(layer, x: torch.Tensor) -> float:
     """ms a replay of the layer captured as one CUDA graph."""
     graph = torch.cuda.CUDAGraph()
@@ -521,10 +564,25 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="batch sizes, comma-separated")
     ap.add_argument("--breakdown", default=None, metavar="TP,B,CTX,KIND", help="print one layer's kernel times")
     ap.add_argument("--verify-k", default=None, metavar="K,...", help="time MTP verify steps of k drafts instead")
+    ap.add_argument("--small-kernels", action="store_true", help="the routing and one-program sort kernels instead")
+    ap.add_argument("--before-moe", default=None, help="with --small-kernels: an earlier fused_moe_kernel.py")
     a = ap.parse_args()
     g = torch.Generator(device=DEV).manual_seed(0)
     if a.verify_k:
         verify_rows(a, g)
+        return
+    if a.small_kernels:
+        before = None
+        if a.before_moe:
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location("before_fused_moe_kernel", a.before_moe)
+            before = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(before)
+        rows = small_kernel_rows(g, before)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
         return
     if a.breakdown:
         tp, B, ctx, kind = a.breakdown.split(",")

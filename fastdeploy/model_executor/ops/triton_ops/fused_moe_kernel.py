@@ -279,10 +279,16 @@ def _moe_align_kernel(
     for s in range(0, P, FILL):
         j = s + tl.arange(0, FILL)
         tl.store(SortedIds + j, N, mask=j < P)
-    for s in range(0, P // BLOCK_M, BLOCK):
-        b = s + tl.arange(0, BLOCK)
-        eb = tl.sum((((ends // BLOCK_M)[None, :] <= b[:, None]) & ex_ok[None, :]).to(tl.int32), 1)
-        tl.store(BlockExpert + b, tl.where(eb < E, eb, -1), mask=b < P // BLOCK_M)
+    # each expert's blocks, [(ends - padded) / BLOCK_M, ends / BLOCK_M): at most N / BLOCK_M + 1 a
+    # run, few at the sizes this program serves; then -1 from the last run's end
+    nblk = padded // BLOCK_M
+    first = ends // BLOCK_M - nblk
+    for j in range(0, tl.max(nblk, 0)):
+        tl.store(BlockExpert + first + j, ex, mask=(j < nblk) & ex_ok)
+    used = tl.sum(nblk, 0)
+    for s in range(0, P // BLOCK_M, FILL):
+        b = s + tl.arange(0, FILL)
+        tl.store(BlockExpert + b, -1, mask=(b >= used) & (b < P // BLOCK_M))
     tl.debug_barrier()  # the padding fill lands before any entry overwrites it
     off = ends - padded
     for s in range(0, N, BLOCK):
@@ -391,7 +397,7 @@ def align_scratch_size(num_experts: int, num_entries: int) -> int:
     return (triton.cdiv(num_entries, block) + 2) * block_e
 
 
-def launch_moe_align(ids, num_experts: int, block_m: int, sorted_ids, block_expert) -> None:
+def launch_moe_align(ids, num_experts: int, block_m: int, sorted_ids, block_expert, num_warps: int = 4) -> None:
     """ids int64 [N] -> sorted_ids int32 [P], block_expert int32 [P / block_m], as
     ``_moe_align_kernel`` says; one launch, no host sync (``launch_expert_sort`` takes it up to
     ALIGN_KERNEL_MAX entries)."""
@@ -410,8 +416,8 @@ def launch_moe_align(ids, num_experts: int, block_m: int, sorted_ids, block_expe
         BLOCK_M=block_m,
         BLOCK_E=block_e,
         BLOCK=block,
-        FILL=1024,
-        num_warps=4,
+        FILL=4096,
+        num_warps=num_warps,
     )
 
 
