@@ -79,16 +79,18 @@ DEV = "cuda"
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V = 7168, 1536, 512, 64, 128, 128
 EXPERTS, TOPK, MOE_INTER, SHARED_INTER, VOCAB, LAYERS = 256, 8, 2048, 2048, 129280, 61
 GROUPS, TOPK_GROUPS, ROUTED_SCALE = 8, 4, 2.5  # DeepSeek-V3's noaux_tc routing
-# layer_case's graph_<form>_ms and their column titles: the eager GEMM configs; the routing, expert
-# sort and sum over k as before this round; then each earlier form put back, cumulatively in order.
+# layer_case's graph_<form>_ms and their column titles: the eager GEMM configs; the router (weight
+# cast a call, routing ops), expert sort and sum over k as before this round; then each earlier
+# form put back, cumulatively in order.
 BEFORE_FORMS = {
     "eager_cfg": "eager configs",
-    "prev_round": "routing + sort + sum before",
+    "prev_round": "router + sort + sum before",
     "torch_rope": "torch rope",
     "torch_norm": "+ norms",
     "torch_align": "+ torch sort",
     "torch_sum": "+ zeroed f32 sum",
     "torch_route": "+ torch routing",
+    "router_cast": "+ router weight cast",
 }
 
 
@@ -229,6 +231,7 @@ class Layer:
         self.route_ids = torch.empty(B, TOPK, device=DEV, dtype=torch.int64)
         self.route_w = torch.empty(B, TOPK, device=DEV)
         self.route_kernel = True
+        self.router32, self.router_cast = self.router.float(), False
         self.norms = [torch.rand(n, device=DEV, generator=g) + 0.5 for n in (HIDDEN, Q_LORA, KV_LORA, HIDDEN)]
         self.w_uk = (torch.randn(H, NOPE, KV_LORA, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
         self.w_uv = (torch.randn(H, KV_LORA, V, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
@@ -314,7 +317,8 @@ class Layer:
         o = torch.bmm(self.attn_out.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(B, H * V)
         x = x + self.o(o.contiguous())
         h = rms(x, self.norms[3], k)
-        logits = h.float() @ self.router.float().T  # the model's router GEMM, in float32
+        router = self.router.float() if self.router_cast else self.router32  # the earlier form cast it a call
+        logits = h.float() @ router.T  # the model's router GEMM, in float32
         if self.route_kernel:  # the model's form: one launch
             ids, top_w = self.route_ids, self.route_w
             launch_moe_route(logits, self.router_bias, ids, top_w, GROUPS, TOPK_GROUPS, True, ROUTED_SCALE)
@@ -457,9 +461,9 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
     finite &= bool(torch.isfinite(layer(x).float()).all())
     replay = replay_ms(layer, x)
     ksum = kernel_sum_ms(lambda: layer(x))
-    layer.align_form, layer.sum_kernel, layer.route_kernel = "one_program", False, False
-    replay_prev_round = replay_ms(layer, x)  # the routing, expert sort and sum over k as before this round
-    layer.align_form, layer.sum_kernel, layer.route_kernel = "model", True, True
+    layer.align_form, layer.sum_kernel, layer.route_kernel, layer.router_cast = "one_program", False, False, True
+    replay_prev_round = replay_ms(layer, x)  # the router, expert sort and sum over k as before this round
+    layer.align_form, layer.sum_kernel, layer.route_kernel, layer.router_cast = "model", True, True, False
     layer.rope_kernel = False
     replay_torch_rope = replay_ms(layer, x)
     layer.rms_kernel = False
@@ -469,7 +473,9 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
     layer.sum_kernel = False
     replay_torch_sum = replay_ms(layer, x)
     layer.route_kernel = False
-    replay_torch_route = replay_ms(layer, x)  # every earlier form put back
+    replay_torch_route = replay_ms(layer, x)
+    layer.router_cast = True
+    replay_router_cast = replay_ms(layer, x)  # every earlier form put back
     layer = None  # free the weights and caches before the next case
     torch.cuda.empty_cache()
     return {
@@ -486,6 +492,7 @@ def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Gener
         "graph_torch_align_ms": replay_torch_align,
         "graph_torch_sum_ms": replay_torch_sum,
         "graph_torch_route_ms": replay_torch_route,
+        "graph_router_cast_ms": replay_router_cast,
         "kernel_sum_ms": ksum,
         "graph_speedup": eager / replay,
         "graph_vs_kernel_sum": replay / ksum,
