@@ -256,3 +256,22 @@ def test_any_accepted_sampling_values_give_a_valid_token(triton):
                 assert tokens[b] == batch.want(b)[0], s
 
     check()
+
+
+def test_the_rows_arrays_go_up_in_one_copy(rng, monkeypatch):
+    """``device_sampler.upload``: int32 and float32 arrays (NaN, -inf and negative zero among the
+    floats) come back bit for bit from one host-to-device copy."""
+    from fastdeploy.model_executor.layers import device_sampler
+
+    copies = []
+    to_tensor = paddle.to_tensor
+    monkeypatch.setattr(paddle, "to_tensor", lambda *a, **k: copies.append(1) or to_tensor(*a, **k))
+    f = rng.standard_normal((5, 8)).astype(np.float32)
+    f[0, :3] = [np.nan, -np.inf, -0.0]
+    host = {"f": f, "i": rng.integers(-(2**31), 2**31 - 1, (5, 4)).astype(np.int32), "b": f[:, :1].copy()}
+    dev = device_sampler.upload(host)
+    assert len(copies) == 1
+    for k, v in host.items():
+        got = dev[k].numpy()
+        assert got.dtype == v.dtype and got.shape == v.shape
+        np.testing.assert_array_equal(got.view(np.int32), v.view(np.int32))

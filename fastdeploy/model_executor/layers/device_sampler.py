@@ -1,6 +1,6 @@
 """The step's sampling where the logits are (docs/design.md §4.11).
 
-``DeviceSampler.sample`` packs the rows' parameters into a few [B]-row arrays (one upload each),
+``DeviceSampler.sample`` packs the rows' parameters into a few [B]-row arrays (one upload for all),
 runs ``sample_tokens`` over the logits on the device, and copies back only the chosen tokens,
 their logprobs and the asked-for top logprobs (one [B, 3] copy, plus [B', N] when any row wants
 top logprobs). Requests with repetition / presence / frequency penalties own a slot of the count
@@ -33,6 +33,19 @@ from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (
     launch_count,
 )
 from fastdeploy.request import Request
+
+
+def upload(host: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
+    """int32 / float32 host arrays on the device in one host-to-device copy: their words
+    concatenated (float32 bit patterns as int32), then cut apart on the device, float32 ones
+    viewed back as float32."""
+    flat = np.concatenate([np.ascontiguousarray(v).view(np.int32).ravel() for v in host.values()])
+    dev, out, at = paddle.to_tensor(flat), {}, 0
+    for k, v in host.items():
+        part = dev[at : at + v.size].reshape(list(v.shape))
+        out[k] = part.view("float32") if v.dtype == np.float32 else part
+        at += v.size
+    return out
 
 
 class DeviceSampler:
@@ -122,7 +135,7 @@ class DeviceSampler:
         ValueError for a row whose logits are not finite: it fails that request only);
         ``pending`` as in ``pack``."""
         host = self.pack(reqs, pending)
-        dev = {k: paddle.to_tensor(v) for k, v in host.items()}
+        dev = upload(host)
         counts = self.counts if self.counts is not None else self.no_counts
         seen = self.seen if self.seen is not None else self.no_seen
         out = sampling.sample_tokens(
