@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_fp8_moe import moe_align_torch  # noqa: E402  (fused_moe.moe_align in torch ops)
+from bench_fp8_moe import replay_ms as call_replay_ms  # noqa: E402  (ms a call, as a graph of n calls)
 
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: E402
     SPLIT_COUNTERS,
@@ -390,17 +391,6 @@ def kernel_sum_ms(fn, iters: int = 5) -> float:
     return total / 1e3 / iters
 
 
-def graph_us(fn, n: int = 10) -> float:
-    """us a call of fn, as one CUDA graph of n calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    return events_ms(graph.replay) * 1e3 / n
-
-
 def small_kernel_rows(g: torch.Generator, before=None) -> list[dict]:
     """Graph-replay us of the routing (by warps) and the one-program expert sort at decode
     batches, the sort also by ``before`` (an earlier fused_moe_kernel module) and checked against
@@ -419,14 +409,15 @@ def small_kernel_rows(g: torch.Generator, before=None) -> list[dict]:
         row = {"B": B, "entries": N}
         for warps in (1, 4):
             route = (logits, bias, ids, w, GROUPS, TOPK_GROUPS, True, ROUTED_SCALE)
-            row[f"route_w{warps}_us"] = graph_us(lambda a=route, nw=warps: launch_moe_route(*a, num_warps=nw))
+            fn = lambda a=route, nw=warps: launch_moe_route(*a, num_warps=nw)  # noqa: E731
+            row[f"route_w{warps}_us"] = call_replay_ms(fn, 10) * 1e3
         args = (ids.flatten(), EXPERTS, bm, si, be)
         for name, mod in (("align", sys.modules[__name__]), ("align_before", before)):
             if mod is None:
                 continue
             si.fill_(-7)
             be.fill_(-7)
-            row[f"{name}_us"] = graph_us(lambda m=mod, a=args: m.launch_moe_align(*a))
+            row[f"{name}_us"] = call_replay_ms(lambda m=mod, a=args: m.launch_moe_align(*a), 10) * 1e3
             row[f"{name}_equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
         rows.append(row)
         print(json.dumps(row), flush=True)
