@@ -1,20 +1,22 @@
 """Captured decode steps (docs/design.md §4.11): one persistent step buffer, one graph a bucket.
 
 A pure-decode step of a bucket's size reads nothing but ``staging``, an int32 device buffer
-allocated once for the largest bucket. A step of B rows fills its first B * (2 + sum of table
-widths) entries with one host-to-device copy, laid out as
+allocated once for the largest bucket. A step of B rows uses its first B * (2 + groups * width)
+entries, laid out as
 
-    input_ids [B] | positions [B] | block_tables[g] [B, width[g]] for each group g in order
+    input_ids [B] | positions [B] | block_tables[g] [B, width] for each group g in order
 
-(padding rows: token 0 at position 0, the null block; tables padded with -1). The captured body
-slices and casts its inputs out of ``staging``, builds the step's ForwardMeta on the device
-(``ForwardMetaBuilder.build_decode``), runs the model and its LM head, and leaves the logits
-[B, vocab] in a tensor the graph owns. On a CUDA build of paddle each bucket is run once eagerly
-(warm-up: Triton compiles, lazily made weights) and then captured with
-``paddle.device.cuda.graphs.CUDAGraph``; a replay reruns its kernels only. Elsewhere the body is
-re-run in place of a replay: the host work it repeats gives the same values at every call (the
-bucket's constants), so the step computes what a replay would, and the CPU tests check the
-contract (device-only inputs, no host sync, no upload) through it.
+(padding rows: token 0 at position 0, the null block). One host-to-device copy a step brings the
+ids, the positions and each table's first w columns (w: the step's longest row, -1 padded); the
+columns past w keep what earlier steps wrote, which nothing reads (a row's kernels read its table
+only up to its position's block). The captured body slices and casts its inputs out of
+``staging``, builds the step's ForwardMeta on the device (``ForwardMetaBuilder.build_decode``),
+runs the model and its LM head, and leaves the logits [B, vocab] in a tensor the graph owns. On a
+CUDA build of paddle each bucket is run once eagerly (warm-up: Triton compiles, lazily made
+weights) and then captured with ``paddle.device.cuda.graphs.CUDAGraph``; a replay reruns its
+kernels only. Elsewhere the body is re-run in place of a replay: the host work it repeats gives
+the same values at every call (the bucket's constants), so the step computes what a replay would,
+and the CPU tests check the contract (device-only inputs, no host sync, no upload) through it.
 """
 
 from __future__ import annotations
@@ -69,14 +71,12 @@ class DecodeGraphs:
         )
 
     def host_buffer(self, ids: list[int], positions: list[int], tables: dict[str, list[list[int]]]) -> np.ndarray:
-        """The int32 layout of ``staging``'s first B rows (module docstring)."""
-        B = len(ids)
+        """int32: ids [B], positions [B], then each group's tables [B, w] (w: the longest row),
+        -1 padded."""
+        w = max(len(row) for rows in tables.values() for row in rows)
         parts = [np.asarray(ids, np.int32), np.asarray(positions, np.int32)]
         for g in self.null_block:
-            t = np.full((B, self.width), -1, np.int32)
-            for b, row in enumerate(tables[g]):
-                t[b, : len(row)] = row
-            parts.append(t.reshape(-1))
+            parts.append(np.asarray([row + [-1] * (w - len(row)) for row in tables[g]], np.int32).reshape(-1))
         return np.concatenate(parts)
 
     def body(self, B: int) -> paddle.Tensor:
@@ -90,9 +90,17 @@ class DecodeGraphs:
             at += B * self.width
         return self.forward(self.builder.build_decode(ids, pos, tables, self.max_model_len))
 
-    def fill(self, buf: np.ndarray) -> None:
-        """The step's one host-to-device copy, into ``staging`` in place."""
-        self.staging[: buf.shape[0]] = paddle.to_tensor(buf, place=self.staging.place)
+    def fill(self, buf: np.ndarray, B: int) -> None:
+        """The step's one host-to-device copy (``host_buffer``'s layout for B rows), then its
+        parts into ``staging`` in place: ids and positions, each table's first w columns."""
+        dev = paddle.to_tensor(buf, place=self.staging.place)
+        w = (buf.shape[0] - 2 * B) // (B * len(self.null_block))
+        self.staging[: 2 * B] = dev[: 2 * B]
+        at = 2 * B
+        for i in range(len(self.null_block)):
+            region = self.staging[at : at + B * self.width].reshape([B, self.width])
+            region[:, :w] = dev[2 * B + i * B * w : 2 * B + (i + 1) * B * w].reshape([B, w])
+            at += B * self.width
 
     def capture(self) -> None:
         """Each bucket, over a step of padding rows only (they write the null block): run once,
@@ -101,7 +109,7 @@ class DecodeGraphs:
             started = time.monotonic()
             before = paddle.device.cuda.memory_allocated() if self.cuda else 0
             pad = {g: [[n]] * B for g, n in self.null_block.items()}
-            self.fill(self.host_buffer([0] * B, [0] * B, pad))
+            self.fill(self.host_buffer([0] * B, [0] * B, pad), B)
             self.body(B)  # warm-up: compiles kernels, makes lazy weights outside the capture
             if self.cuda:
                 graph = paddle.device.cuda.graphs.CUDAGraph()
@@ -123,7 +131,7 @@ class DecodeGraphs:
         """Logits [B, vocab] of a step ``takes`` accepted: one copy into ``staging``, then the
         bucket's replay (or its body)."""
         B = len(step["seq_lens_encoder"])
-        self.fill(self.host_buffer(step["input_ids"], step["seq_lens_decoder"], step["block_tables"]))
+        self.fill(self.host_buffer(step["input_ids"], step["seq_lens_decoder"], step["block_tables"]), B)
         self.replays += 1
         if B in self.graphs:
             self.graphs[B].replay()

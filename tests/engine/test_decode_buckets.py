@@ -286,3 +286,21 @@ def test_capture_settings(tiny_model_dir, mtp_model_dir, rng, caplog):
     assert not graphs.takes({**step, "prompt_logprobs": {"rows": [0]}})
     assert not graphs.takes({**step, "seq_lens_encoder": [0, 3]})
     assert not graphs.takes({**step, "block_tables": {"full": [[1], [2] * (graphs.width + 1)]}})
+
+
+def test_one_copy_fills_the_step_buffer(tiny_model_dir):
+    """A step's ids, positions and its tables' first w columns (w: its longest row) land in the
+    step buffer; columns past w keep an earlier step's entries (nothing reads past a row's
+    position), and a step's rows never shift into another's."""
+    eng = LLM(tiny_model_dir, block_size=16, cuda_graph_batch_sizes="2", cuda_graph_capture=True).engine
+    graphs = eng.runner.graphs
+    groups, W = list(graphs.null_block), graphs.width
+    graphs.staging[:] = -7
+    graphs.fill(graphs.host_buffer([11, 12], [40, 3], {g: [[1, 2, 3, 4], [5]] for g in groups}), 2)
+    graphs.fill(graphs.host_buffer([13, 14], [5, 17], {g: [[21], [22, 23]] for g in groups}), 2)
+    buf = graphs.staging.numpy()
+    assert buf[:4].tolist() == [13, 14, 5, 17]
+    for i in range(len(groups)):
+        table = buf[4 + i * 2 * W : 4 + (i + 1) * 2 * W].reshape(2, W)
+        assert table[:, :2].tolist() == [[21, -1], [22, 23]]  # this step's, -1 padded to its longest row
+        assert table[:, 2:4].tolist() == [[3, 4], [-1, -1]] and (table[:, 4:] == -7).all()  # earlier steps'
