@@ -184,7 +184,24 @@ def main() -> None:
     ap.add_argument("--before", default=None, help="a file with an earlier sampling_kernel.py, timed beside")
     ap.add_argument("--sweep", action="store_true", help="time launch tiles (block x warps) at B 1 / 256")
     ap.add_argument("--profile", action="store_true", help="per-kernel times at B 256, sampled with penalties")
+    ap.add_argument("--programs-sweep", action="store_true", help="graph ms by programs a pass aims for, and block")
     a = ap.parse_args()
+    if a.programs_sweep:
+        rows = []
+        for programs in (512, 1024, 2048, 4096):
+            sampling_kernel.SAMPLER_PROGRAMS = programs
+            for block in (1024, 2048):
+                row = {"programs": programs, "block": block}
+                for B, sampled, pen in ((1, True, True), (32, True, True), (256, True, True), (256, False, False)):
+                    r = case(B, sampled, pen, np.random.default_rng(0), block)
+                    row[f"B{B}_{'pen' if pen else 'greedy'}_graph_ms"] = r["ours_graph_ms"]
+                    row[f"B{B}_{'pen' if pen else 'greedy'}_ok"] = r["checked"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -466,10 +466,13 @@ def _count_kernel(tokens_ptr, iparams_ptr, counts_ptr, V):
         tl.store(ptr, tl.load(ptr) + 1)
 
 
+SAMPLER_PROGRAMS = 512  # programs a pass aims for over all rows (4 per SM of an H200)
+
+
 def chunk_size(B: int, V: int, block: int) -> int:
-    """Tokens of a row a program takes: enough programs for ~512 in all (4 per SM of an H200),
-    at most 64 a row, a whole number of blocks each."""
-    want = max(1, min(64, triton.cdiv(512, max(B, 1))))
+    """Tokens of a row a program takes: enough programs for SAMPLER_PROGRAMS in all, at most 64 a
+    row, a whole number of blocks each."""
+    want = max(1, min(64, triton.cdiv(SAMPLER_PROGRAMS, max(B, 1))))
     return triton.cdiv(triton.cdiv(V, want), block) * block
 
 
