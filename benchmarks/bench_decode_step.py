@@ -392,11 +392,12 @@ def kernel_sum_ms(fn, iters: int = 5) -> float:
 
 
 def small_kernel_rows(g: torch.Generator, before=None) -> list[dict]:
-    """Graph-replay us of the routing (by warps) and the one-program expert sort at decode
-    batches, the sort also by ``before`` (an earlier fused_moe_kernel module) and checked against
-    the torch definition into poisoned outputs (10 launches a graph)."""
+    """Graph-replay us of the routing (by warps), the one-program expert sort and the model's sort
+    (``launch_expert_sort``) at decode batches, the sorts also by ``before`` (an earlier
+    fused_moe_kernel module) and checked against the torch definition into poisoned outputs (10
+    launches a graph)."""
     rows = []
-    for B in (1, 8):
+    for B in (1, 8, 128):
         logits = torch.randn(B, EXPERTS, device=DEV, generator=g)
         bias = torch.randn(EXPERTS, device=DEV, generator=g) * 0.1
         ids, w = torch.empty(B, TOPK, device=DEV, dtype=torch.int64), torch.empty(B, TOPK, device=DEV)
@@ -411,14 +412,18 @@ def small_kernel_rows(g: torch.Generator, before=None) -> list[dict]:
             route = (logits, bias, ids, w, GROUPS, TOPK_GROUPS, True, ROUTED_SCALE)
             fn = lambda a=route, nw=warps: launch_moe_route(*a, num_warps=nw)  # noqa: E731
             row[f"route_w{warps}_us"] = call_replay_ms(fn, 10) * 1e3
+        scratch = torch.empty(align_scratch_size(EXPERTS, N), device=DEV, dtype=torch.int32)
         args = (ids.flatten(), EXPERTS, bm, si, be)
-        for name, mod in (("align", sys.modules[__name__]), ("align_before", before)):
+        for suffix, mod in (("", sys.modules[__name__]), ("_before", before)):
             if mod is None:
                 continue
-            si.fill_(-7)
-            be.fill_(-7)
-            row[f"{name}_us"] = call_replay_ms(lambda m=mod, a=args: m.launch_moe_align(*a), 10) * 1e3
-            row[f"{name}_equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
+            forms = {"align": lambda m=mod, a=args: m.launch_moe_align(*a)}  # one program
+            forms["sort"] = lambda m=mod, a=(*args, scratch): m.launch_expert_sort(*a)  # the model's form
+            for name, fn in forms.items():
+                si.fill_(-7)
+                be.fill_(-7)
+                row[f"{name}{suffix}_us"] = call_replay_ms(fn, 10) * 1e3
+                row[f"{name}{suffix}_equal"] = bool(torch.equal(si, want[0]) and torch.equal(be, want[1]))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

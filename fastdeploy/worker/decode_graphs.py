@@ -79,15 +79,20 @@ class DecodeGraphs:
             parts.append(np.asarray([row + [-1] * (w - len(row)) for row in tables[g]], np.int32).reshape(-1))
         return np.concatenate(parts)
 
+    def table_views(self, B: int) -> list[paddle.Tensor]:
+        """Views of ``staging``'s block tables [B, width] for bucket B, in the groups' order."""
+        at = 2 * B
+        views = []
+        for _ in self.null_block:
+            views.append(self.staging[at : at + B * self.width].reshape([B, self.width]))
+            at += B * self.width
+        return views
+
     def body(self, B: int) -> paddle.Tensor:
         """The captured step of bucket B: inputs out of ``staging`` (device ops), the model, its
         logits [B, vocab]."""
-        s = self.staging[: B * self.row_len]
-        ids, pos, at = s[:B].astype("int64"), s[B : 2 * B].astype("int64"), 2 * B
-        tables = {}
-        for g in self.null_block:
-            tables[g] = s[at : at + B * self.width].reshape([B, self.width])
-            at += B * self.width
+        ids, pos = self.staging[:B].astype("int64"), self.staging[B : 2 * B].astype("int64")
+        tables = dict(zip(self.null_block, self.table_views(B), strict=True))
         return self.forward(self.builder.build_decode(ids, pos, tables, self.max_model_len))
 
     def fill(self, buf: np.ndarray, B: int) -> None:
@@ -96,11 +101,8 @@ class DecodeGraphs:
         dev = paddle.to_tensor(buf, place=self.staging.place)
         w = (buf.shape[0] - 2 * B) // (B * len(self.null_block))
         self.staging[: 2 * B] = dev[: 2 * B]
-        at = 2 * B
-        for i in range(len(self.null_block)):
-            region = self.staging[at : at + B * self.width].reshape([B, self.width])
-            region[:, :w] = dev[2 * B + i * B * w : 2 * B + (i + 1) * B * w].reshape([B, w])
-            at += B * self.width
+        for i, view in enumerate(self.table_views(B)):
+            view[:, :w] = dev[2 * B + i * B * w : 2 * B + (i + 1) * B * w].reshape([B, w])
 
     def capture(self) -> None:
         """Each bucket, over a step of padding rows only (they write the null block): run once,

@@ -29,7 +29,8 @@ from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (
 
 
 def moe_align(topk_ids: paddle.Tensor, num_experts: int, block_m: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """Sort the routed entries by expert, each expert's run padded to block_m, on the device (no
+    """Sort the routed entries (topk_ids [T, top_k] or flat [N]) by expert, each expert's run
+    padded to block_m, on the device (no
     host sync): -> sorted_ids int32 [P] (entry ids t * top_k + k; N = T * top_k marks padding) and
     block_expert int32 [P / block_m] (-1 for blocks past the last expert's run). P is the bound
     N + E * (block_m - 1), rounded up to block_m, so the launch grid depends on shapes only. Up to
@@ -70,7 +71,8 @@ def fused_moe(
     E, inter_dim = w1.shape[0], w1.shape[1]
     N = T * K
     bm = block_m_for(N, E)
-    sorted_ids, block_expert = moe_align(topk_ids, E, bm)
+    flat = topk_ids.flatten().astype("int64")  # the entries' experts, for the sort and the sum
+    sorted_ids, block_expert = moe_align(flat, E, bm)
     fp8 = s1 is not None
     tiles = moe_tile_config(N, E, fp8, (H, inter_dim))
     x = x.contiguous()
@@ -88,7 +90,7 @@ def fused_moe(
     top_w = topk_weights.astype("float32").flatten().contiguous()
     launch_moe_gemm(a2, w2, y, sorted_ids, block_expert, N, K, bm, a_s=a2_s, ws1=s2, top_w=top_w, **tiles)
     out = paddle.empty([T, H], "float32")
-    launch_moe_sum(y, topk_ids.flatten().astype("int64"), E, out)
+    launch_moe_sum(y, flat, E, out)
     return out
 
 

@@ -250,6 +250,14 @@ ALIGN_KERNEL_MAX = 64
 
 
 @triton.jit
+def _experts_one_hot(Ids, i, N, ex, E):
+    """Entries i's experts e (-1 past N) and their one-hot [len(i), len(ex)] int32 over this
+    rank's experts ex < E (other ranks' ids have no column)."""
+    e = tl.load(Ids + i, mask=i < N, other=-1)
+    return e, ((e[:, None] == ex[None, :]) & (ex < E)[None, :]).to(tl.int32)
+
+
+@triton.jit
 def _moe_align_kernel(
     Ids,
     SortedIds,
@@ -271,9 +279,8 @@ def _moe_align_kernel(
     ex_ok = ex < E
     counts = tl.zeros([BLOCK_E], tl.int32)
     for s in range(0, N, BLOCK):
-        i = s + tl.arange(0, BLOCK)
-        e = tl.load(Ids + i, mask=i < N, other=-1)
-        counts += tl.sum(((e[:, None] == ex[None, :]) & ex_ok[None, :]).to(tl.int32), 0)
+        _, hot = _experts_one_hot(Ids, s + tl.arange(0, BLOCK), N, ex, E)
+        counts += tl.sum(hot, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     for s in range(0, P, FILL):
@@ -293,8 +300,7 @@ def _moe_align_kernel(
     off = ends - padded
     for s in range(0, N, BLOCK):
         i = s + tl.arange(0, BLOCK)
-        e = tl.load(Ids + i, mask=i < N, other=-1)
-        hot = ((e[:, None] == ex[None, :]) & ex_ok[None, :]).to(tl.int32)
+        e, hot = _experts_one_hot(Ids, i, N, ex, E)
         before = tl.cumsum(hot, 0) - hot
         dest = tl.sum(hot * (before + off[None, :]), 1)
         tl.store(SortedIds + dest, i, mask=(i < N) & (e >= 0) & (e < E))
@@ -309,9 +315,7 @@ def _align_count_kernel(
     and its share of SortedIds' padding fill (FILL slots a chunk; N marks padding)."""
     c = tl.program_id(0)
     ex = tl.arange(0, BLOCK_E)
-    i = c * BLOCK + tl.arange(0, BLOCK)
-    e = tl.load(Ids + i, mask=i < N, other=-1)
-    hot = ((e[:, None] == ex[None, :]) & (ex < E)[None, :]).to(tl.int32)
+    _, hot = _experts_one_hot(Ids, c * BLOCK + tl.arange(0, BLOCK), N, ex, E)
     tl.store(Counts + c * BLOCK_E + ex, tl.sum(hot, 0))
     j = c * FILL + tl.arange(0, FILL)
     tl.store(SortedIds + j, N, mask=j < P)
@@ -355,8 +359,7 @@ def _align_scatter_kernel(Ids, Counts, Starts, SortedIds, N, E, BLOCK: tl.conste
     c = tl.program_id(0)
     ex = tl.arange(0, BLOCK_E)
     i = c * BLOCK + tl.arange(0, BLOCK)
-    e = tl.load(Ids + i, mask=i < N, other=-1)
-    hot = ((e[:, None] == ex[None, :]) & (ex < E)[None, :]).to(tl.int32)
+    e, hot = _experts_one_hot(Ids, i, N, ex, E)
     off = tl.load(Starts + ex) + tl.load(Counts + c * BLOCK_E + ex)
     dest = tl.sum(hot * (tl.cumsum(hot, 0) - hot + off[None, :]), 1)
     tl.store(SortedIds + dest, i, mask=(i < N) & (e >= 0) & (e < E))
@@ -402,8 +405,7 @@ def launch_moe_align(ids, num_experts: int, block_m: int, sorted_ids, block_expe
     ``_moe_align_kernel`` says; one launch, no host sync (``launch_expert_sort`` takes it up to
     ALIGN_KERNEL_MAX entries)."""
     N, P = int(ids.shape[0]), int(sorted_ids.shape[0])
-    block_e = max(16, triton.next_power_of_2(num_experts))
-    block = max(16, min(64, triton.next_power_of_2(max(N, 1)), 8192 // block_e))
+    block_e, block = align_tiles(num_experts, N)
     launch(
         _moe_align_kernel,
         (1,),
