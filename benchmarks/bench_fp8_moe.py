@@ -364,6 +364,24 @@ def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
         "moe_sum_f32": lambda: launch_moe_sum(y, flat_ids, E, summed),
         "moe_sum_bf16": lambda: launch_moe_sum(y16, flat_ids, E, summed),
     }
+
+    def gate_up_with(c: dict) -> None:
+        launch_moe_gemm(xc, w["w1"], mid, sorted_ids, block_expert, N, K, bm, **c)
+
+    if cfg.get("w_tma"):  # one warpgroup a CTA (the dense GEMM's short-K tiles) for each GEMM
+        for name, extra in (("1wg_s3", {"num_warps": 4, "num_stages": 3}), ("1wg_s4", {"num_warps": 4})):
+            c2 = {**cfg, **extra}
+            alt[f"down_{name}"] = lambda c2=c2: launch_moe_gemm(
+                ic, w["w2"], y16, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **c2
+            )
+            gu2 = {**gu, **extra}
+            alt[f"gate_up_{name}"] = lambda g2=gu2: launch_moe_gemm(
+                xc, w["w1"], mid, sorted_ids, block_expert, N, K, bm, **g2
+            )
+        gu3 = {**gu, "block_n": 64, "num_warps": 4, "num_stages": 3}
+        alt["gate_up_bn64_1wg_s3"] = lambda: launch_moe_gemm(
+            xc, w["w1"], mid, sorted_ids, block_expert, N, K, bm, **gu3
+        )
     y16, summed = torch.zeros(N, H, device=DEV, dtype=torch.bfloat16), torch.empty(T, H, device=DEV)
     flat_ids = ids.flatten()
     si_buf, be_buf = torch.empty_like(sorted_ids), torch.empty_like(block_expert)
@@ -378,6 +396,70 @@ def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
         out[f"alt_{name}_ms"] = bench(fn)
     for name, flops in (("gate_up", 2 * N * 2 * inter * H), ("down", 2 * N * H * inter)):
         out[f"{name}_tflops"] = flops / out[f"{name}_ms"] / 1e9
+    out.update(deepgemm_moe_gemms(x, ids, w))
+    return out
+
+
+def deepgemm_moe_gemms(x: torch.Tensor, ids: torch.Tensor, w: dict) -> dict:
+    """DeepGEMM's two grouped GEMMs (``m_grouped_fp8_gemm_nt_contiguous``) on the same routing and
+    weights, in its contiguous layout (each expert's rows padded to its M alignment, -1 rows
+    between): gate and up as one [E, 2 I, H] weight, then down. Only the GEMMs are timed (not the
+    gather, SiLU or quantizations); checked against float32 of the same quantized math on the
+    first 4 experts' rows. {} where deep_gemm does not import."""
+    try:
+        import deep_gemm
+    except ImportError:
+        return {}
+    E, inter, H = w["w1"].shape
+    T, K = ids.shape
+    flat = ids.flatten().long()
+    align = deep_gemm.get_mk_alignment_for_contiguous_layout()
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + align - 1) // align * align
+    starts = padded.cumsum(0) - padded
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    dest = starts[e_sorted] + torch.arange(flat.numel(), device=DEV) - (counts.cumsum(0) - counts)[e_sorted]
+    m = int(padded.sum())
+    layout = torch.full((m,), -1, device=DEV, dtype=torch.int32)
+    layout[dest] = e_sorted.int()
+    rows = torch.zeros(m, H, device=DEV, dtype=torch.bfloat16)
+    rows[dest] = x[order // K]
+    mid = torch.zeros(m, inter, device=DEV, dtype=torch.bfloat16)
+    mid[dest] = torch.randn(flat.numel(), inter, device=DEV).to(torch.bfloat16)
+
+    def quant(a: torch.Tensor):
+        codes, sc = (
+            torch.empty(a.shape, device=DEV, dtype=torch.uint8),
+            torch.empty(a.shape[0], a.shape[1] // 128, device=DEV),
+        )
+        launch_act_quant(a, codes, sc)
+        return codes.view(torch.float8_e4m3fn), deep_gemm.get_mn_major_tma_aligned_tensor(sc), sc
+
+    a8, sfa, sa = quant(rows)
+    i8, sfi, si = quant(mid)
+    w13 = torch.cat([w["w1"], w["w3"]], 1).view(torch.float8_e4m3fn)
+    s13 = torch.cat([w["w1_s"], w["w3_s"]], 1).contiguous()
+    w2 = w["w2"].view(torch.float8_e4m3fn)
+    d1 = torch.empty(m, 2 * inter, device=DEV, dtype=torch.bfloat16)
+    d2 = torch.empty(m, H, device=DEV, dtype=torch.bfloat16)
+    gate_up = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a8, sfa), (w13, s13), d1, layout)  # noqa: E731
+    down = lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((i8, sfi), (w2, w["w2_s"]), d2, layout)  # noqa: E731
+    gate_up(), down()
+    errs = []
+    for e in range(4):  # float32 of the same quantized math
+        r = (layout == e).nonzero().flatten()
+        for a, s_, wc, ws, d in ((a8, sa, w13, s13, d1), (i8, si, w2, w["w2_s"], d2)):
+            deq_a = a[r].float() * s_[r].repeat_interleave(128, 1)
+            deq_w = wc[e].float() * ws[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            want = deq_a @ deq_w.T
+            errs.append(rel(d[r], want))
+    N = flat.numel()
+    out = {"deepgemm_padded_rows": m, "deepgemm_alignment": align, "deepgemm_rel_err": max(errs)}
+    out["deepgemm_gate_up_ms"] = replay_ms(gate_up)
+    out["deepgemm_down_ms"] = replay_ms(down)
+    out["deepgemm_gate_up_tflops"] = 2 * N * 2 * inter * H / out["deepgemm_gate_up_ms"] / 1e9
+    out["deepgemm_down_tflops"] = 2 * N * H * inter / out["deepgemm_down_ms"] / 1e9
     return out
 
 

@@ -131,6 +131,7 @@ def _form_kernel(
 
 
 FORMS = {"main": 0, "pipe2": 1, "noscale": 2}
+KEYS = ("form", "bm", "bn", "warps", "stages", "group_m")
 
 
 def run_form(cfg: tuple, a, a_s, b, b_s, out):
@@ -213,12 +214,19 @@ def main() -> None:
             b = codes.view(torch.uint8)
             for cfg in CONFIGS:
                 out.fill_(float("nan"))
-                row = {"shape": name, "N": N, "K": K, "M": M, "cfg": dict(zip(("form", "bm", "bn", "warps", "stages", "group_m"), cfg))}
+                row = {
+                    "shape": name,
+                    "N": N,
+                    "K": K,
+                    "M": M,
+                    "cfg": dict(zip(KEYS, cfg, strict=True)),
+                }
                 try:
                     ck = run_form(cfg, a, a_s, b, ws, out)
                     row["rel_err"] = ((out.float() - want).norm() / want.norm()).item()
                     if dev == "cuda":
-                        row["ms"] = triton.testing.do_bench(lambda: run_form(cfg, a, a_s, b, ws, out), warmup=25, rep=200)
+                        now = (cfg, a, a_s, b, ws, out)
+                        row["ms"] = triton.testing.do_bench(lambda now=now: run_form(*now), warmup=25, rep=200)
                         row["tflops"] = 2 * M * N * K / row["ms"] / 1e9
                         if args.sass and name == "o_proj":
                             try:  # computed from the cubin by cuobjdump on first access

@@ -202,12 +202,19 @@ def test_ties_round_to_even_inside_the_gemm():
     np.testing.assert_array_equal(out.numpy().astype(np.float64), e4m3_round(x.astype(np.float64)))
 
 
-@pytest.mark.parametrize("M, N, K", [(130, 300, 304), (3, 200, 400)])
-def test_tma_path_matches_float64(M, N, K, rng):
-    """The tensor-descriptor GEMM (M >= 128 on the GPU) on shapes that are not tile multiples: rows
-    and columns past the edge masked, K past the last full block read as zeros, outputs
-    NaN-poisoned first; M-major activation scales equal the row-major ones transposed. K blocks
-    differ in magnitude by up to 1e6."""
+# the TMA configs tuned_config picks: 128 x 128 on 8 warps (K 7168), one 64 x 128 warpgroup a CTA
+# (short K at large M, and M 17..64 over two waves of tiles)
+TMA_PICKS = [(4096, 4096, 4096), (4096, 7168, 2048), (64, 36864, 7168)]
+
+
+@pytest.mark.parametrize("pick", TMA_PICKS)
+@pytest.mark.parametrize("M, N, K", [(130, 300, 304), (3, 200, 400), (65, 130, 256)])
+def test_tma_path_matches_float64(M, N, K, pick, rng):
+    """The tensor-descriptor GEMM (M >= 128, or dense gate_up's M 17..64, on the GPU) with each
+    tile config it is given, on shapes that are not tile multiples: rows and columns past the edge
+    masked, K past the last full block read as zeros, outputs NaN-poisoned first; M-major
+    activation scales equal the row-major ones transposed. K blocks differ in magnitude by up to
+    1e6."""
     from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant, tuned_config
 
     x, codes, scale = make(rng, M, N, K)
@@ -219,7 +226,7 @@ def test_tma_path_matches_float64(M, N, K, rng):
     launch_act_quant(xt, a_t, s_t, m_major=True)
     np.testing.assert_array_equal(a_t.numpy(), a.numpy())
     np.testing.assert_array_equal(s_t.numpy(), a_s.numpy().T)
-    cfg = {**tuned_config(4096, 4096, 4096), "num_stages": 1}
+    cfg = {**tuned_config(*pick), "num_stages": 1}
     assert cfg["tma"]
     out = paddle.full([M, N], float("nan"), "float32")
     launch_w8a8_gemm(a_t, s_t, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
@@ -231,6 +238,9 @@ def test_tma_path_matches_float64(M, N, K, rng):
         launch_w8a8_gemm(a_t, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
     assert "tma" not in tuned_config(4096, 4096, 4100)  # rows not 16-byte aligned: the pointer kernel
     assert "tma" not in tuned_config(512, 7168, 2048)  # small: the descriptors' host cost
+    # short K runs one warpgroup a CTA; decode sizes take TMA only over two waves of tiles
+    assert [tuned_config(*p)["num_warps"] for p in TMA_PICKS] == [8, 4, 4]
+    assert "tma" not in tuned_config(64, 7168, 16384) and "tma" not in tuned_config(16, 36864, 7168)
 
 
 def test_linear_at_tma_sizes(rng, monkeypatch):

@@ -21,6 +21,13 @@ ws [ceil(N/128), ceil(K/128)] (the real weight is code * scale per 128 x 128 blo
    L2) and activation scales read M-major ([ceil(K/128), M], one coalesced row a K block). On the
    H200 this took dense gate_up at M = 4096 from 570 to 893 TFLOP/s; warp specialization and
    persistent tiles added nothing (benchmarks/results/h200_2026-12-04_fp8_large_m_sweep.json).
+   Its SASS (benchmarks/results/h200_2026-12-04_fp8_tma_kernel_128x128_8w.sass) shows what
+   bounds it: each K block issues four QGMMA 64x128x32 a warpgroup, waits for all of them
+   (WARPGROUP.DEPBAR.LE gsb0, 0x0), passes two CTA barriers and then promotes with 64 FFMAs a
+   thread, so the next block's MMAs wait for the promotion and the barriers keep a CTA's two
+   warpgroups in step. Hence one warpgroup a CTA where K is short (several independent CTAs an
+   SM overlap each other's promotions); a hand-pipelined loop (block k+1's dot issued before
+   block k's promotion) compiled to the same wait and ran 6-20% slower (sweep_fp8_forms.py).
 """
 
 from __future__ import annotations
@@ -201,11 +208,26 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = Fa
     inside a CUDA graph, where a launch costs no host time, so M <= 16 also quantizes by its own
     launch (o_proj M 1: 41.9 against 51.1 us as graph replays, h200_2026-12-04_fp8_gemm_tma_final)."""
     n_kb = triton.cdiv(K, FP8_BLOCK)
-    if M >= 128:  # TMA where the rows are 16-byte aligned (issue 22: 893 against 570 TFLOP/s)
-        cfg = {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 5, "split_k": 1, "fuse_quant": False}
-        # Below 2^33 M N K the eager launch's host cost (two descriptors) outweighs the gain:
-        # expert down at M 512 took 0.167 ms against 0.118 (h200_2026-12-04_fp8_gemm_tma.json).
-        return {**cfg, "num_stages": 4, "tma": True} if K % 16 == 0 and M * N * K >= 2**33 else cfg
+    # TMA where the rows are 16-byte aligned and M N K >= 2^33: below that the eager launch's host
+    # cost (two descriptors) outweighs the gain (expert down at M 512: 0.167 ms against 0.118,
+    # h200_2026-12-04_fp8_gemm_tma.json).
+    tma = K % 16 == 0 and M * N * K >= 2**33
+    one_wg = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3, "split_k": 1, "fuse_quant": False}
+    if M >= 128:
+        if not tma:
+            return {**one_wg, "block_m": 128, "num_warps": 8, "num_stages": 5}
+        # One warpgroup a CTA, three CTAs an SM: the CTAs' promotions overlap each other's MMAs,
+        # where two warpgroups of one CTA run in lockstep (a CTA barrier every K block, see the
+        # module docstring). Short K gains (q_b 746 -> 835, expert down 754 -> 862 TFLOP/s at M
+        # 4096); K 7168 keeps 128 x 128 (expert gate_up 860 against 811;
+        # h200_2026-12-04_fp8_forms.json).
+        if K <= 2048:
+            return {**one_wg, "tma": True}
+        return {**one_wg, "block_m": 128, "num_warps": 8, "num_stages": 4, "tma": True}
+    if M > 16 and tma and triton.cdiv(N, 128) >= 2 * num_sms:
+        # M 17..64 with two waves of 64 x 128 tiles: no split needed, and the TMA kernel streams
+        # the weight at 3.3 TB/s (dense gate_up M 64: 79.7 us against 107.9)
+        return {**one_wg, "tma": True}
     block_m = max(16, triton.next_power_of_2(M))
     tiles64 = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
     long_k = n_kb >= 32
