@@ -337,6 +337,7 @@ def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
     ids = torch.randn(T, E, device=DEV, generator=g).topk(K, dim=1).indices
     top_w = torch.rand(N, device=DEV, generator=g)
     cfg = moe_tile_config(N, E, True, (H, inter))
+    cfg_down = moe_tile_config(N, E, True, (H, inter), down=True)
     bm = block_m_for(N, E)
     mid = torch.zeros(N, inter, device=DEV, dtype=torch.bfloat16)
     y = torch.zeros(N, H, device=DEV)
@@ -350,7 +351,7 @@ def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
         "gate_up": lambda: launch_moe_gemm(xc, w["w1"], mid, sorted_ids, block_expert, N, K, bm, **gu),
         "quant_mid": lambda: launch_act_quant(mid, ic, ics),
         "down": lambda: launch_moe_gemm(
-            ic, w["w2"], y, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg
+            ic, w["w2"], y, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg_down
         ),
         "zero_y": y.zero_,
         "sum_topk": lambda: y.view(T, K, H).sum(1),
@@ -359,34 +360,21 @@ def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
         "zero_mid": mid.zero_,
         "align_torch_ops": lambda: moe_align_torch(ids, E, bm),
         "down_bf16": lambda: launch_moe_gemm(
-            ic, w["w2"], y16, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg
+            ic, w["w2"], y16, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg_down
         ),
         "moe_sum_f32": lambda: launch_moe_sum(y, flat_ids, E, summed),
         "moe_sum_bf16": lambda: launch_moe_sum(y16, flat_ids, E, summed),
     }
 
-    def gate_up_with(c: dict) -> None:
-        launch_moe_gemm(xc, w["w1"], mid, sorted_ids, block_expert, N, K, bm, **c)
-
-    if cfg.get("w_tma"):  # one warpgroup a CTA (the dense GEMM's short-K tiles) for each GEMM
-        for name, extra in (("1wg_s3", {"num_warps": 4, "num_stages": 3}), ("1wg_s4", {"num_warps": 4})):
-            c2 = {**cfg, **extra}
-            alt[f"down_{name}"] = lambda c2=c2: launch_moe_gemm(
-                ic, w["w2"], y16, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **c2
-            )
-            gu2 = {**gu, **extra}
-            alt[f"gate_up_{name}"] = lambda g2=gu2: launch_moe_gemm(
-                xc, w["w1"], mid, sorted_ids, block_expert, N, K, bm, **g2
-            )
-        gu3 = {**gu, "block_n": 64, "num_warps": 4, "num_stages": 3}
-        alt["gate_up_bn64_1wg_s3"] = lambda: launch_moe_gemm(
-            xc, w["w1"], mid, sorted_ids, block_expert, N, K, bm, **gu3
+    if cfg_down != cfg:  # the down GEMM on the gate / up tiles (the form before)
+        alt["down_bf16_gate_up_tiles"] = lambda: launch_moe_gemm(
+            ic, w["w2"], y16, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg
         )
     y16, summed = torch.zeros(N, H, device=DEV, dtype=torch.bfloat16), torch.empty(T, H, device=DEV)
     flat_ids = ids.flatten()
     si_buf, be_buf = torch.empty_like(sorted_ids), torch.empty_like(block_expert)
     scratch = torch.empty(align_scratch_size(E, N), device=DEV, dtype=torch.int32)
-    out = {"T": T, "config": cfg, "block_m": bm, "padded_rows": int((sorted_ids < N).numel())}
+    out = {"T": T, "config": cfg, "down_config": cfg_down, "block_m": bm, "padded_rows": int((sorted_ids < N).numel())}
     for name, fn in parts.items():
         fn()
         out[f"{name}_ms"] = bench(fn)
@@ -488,8 +476,13 @@ def moe_case(
     ids = torch.randn(T, E, device=DEV, generator=g).topk(K, dim=1).indices
     wts = torch.rand(T, K, device=DEV, generator=g)
     N = T * K
-    cfg = dict(cfg) if cfg is not None else moe_tile_config(N, E, fp8, (H, inter))
+    if cfg is None:  # the model's tiles
+        cfg, cfg_down = moe_tile_config(N, E, fp8, (H, inter)), moe_tile_config(N, E, fp8, (H, inter), down=True)
+    else:  # a sweep's: the same for both GEMMs unless cfg["down"] overrides
+        cfg = dict(cfg)
+        cfg_down = {**cfg, **cfg.pop("down", {})}
     bm = cfg.pop("block_m", None) or block_m_for(N, E)
+    cfg_down.pop("block_m", None)
     inter_buf = torch.zeros(N, inter, device=DEV, dtype=torch.bfloat16)
     y = torch.zeros(N, H, device=DEV, dtype=torch.bfloat16 if form == "bf16_sum_kernel" else torch.float32)
     out = torch.empty(T, H, device=DEV)
@@ -532,7 +525,7 @@ def moe_case(
             )
             launch_act_quant(inter_buf, ic, ics)
             launch_moe_gemm(
-                ic, w["w2"], y, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg
+                ic, w["w2"], y, sorted_ids, block_expert, N, K, bm, a_s=ics, ws1=w["w2_s"], top_w=top_w, **cfg_down
             )
         else:
             launch_moe_gemm(x, w["w1_bf16"], inter_buf, sorted_ids, block_expert, N, K, bm, w3=w["w3_bf16"], **cfg)
@@ -573,7 +566,8 @@ def moe_case(
             want += wts[t, k] * (h @ weight("w2", e).T)[0]
         errs.append(rel(got[t], want))
     flops = 2 * T * K * 3 * H * inter
-    row = {"T": T, "fp8": fp8, "form": form, "block_m": bm, "config": cfg, "rel_err": max(errs), "flops": flops}
+    row = {"T": T, "fp8": fp8, "form": form, "block_m": bm, "config": cfg, "down_config": cfg_down}
+    row.update(rel_err=max(errs), flops=flops)
     row["ours_ms"] = bench(ours)
     if sweep_only:
         row["ours_tflops"] = flops / row["ours_ms"] / 1e9

@@ -153,14 +153,20 @@ def aligned_rows(num_entries: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_entries + num_experts * (block_m - 1), block_m) * block_m
 
 
-def moe_tile_config(num_entries: int, num_experts: int, fp8: bool, dims: tuple[int, ...] = ()) -> dict:
-    """launch_moe_gemm's tile arguments (block_m from ``block_m_for``). With FP8 weights at
-    prefill sizes (block_m 64: >= 32 entries an expert) the weights come in through tensor
-    descriptors on 128-wide tiles, 8 warps, 4 stages: 256 experts top-8 at 4096 tokens took 7.2
-    ms against 9.7 (H200, results/h200_2026-12-04_moe_tma_sweep.json; equal at 64 tokens). dims:
-    the GEMMs' K (hidden and intermediate sizes), which descriptors need as multiples of 16."""
+def moe_tile_config(
+    num_entries: int, num_experts: int, fp8: bool, dims: tuple[int, ...] = (), down: bool = False
+) -> dict:
+    """launch_moe_gemm's tile arguments (block_m from ``block_m_for``) for the gate / up GEMM, or
+    with ``down`` for the down GEMM. With FP8 weights at prefill sizes (block_m 64: >= 32 entries
+    an expert) the weights come in through tensor descriptors on 128-wide tiles, 8 warps, 4
+    stages: 256 experts top-8 at 4096 tokens took 7.2 ms against 9.7 (H200,
+    results/h200_2026-12-04_moe_tma_sweep.json; equal at 64 tokens). The down GEMM (one
+    accumulator) runs its 64 x 128 tile as one warpgroup a CTA, 4 warps: 2.35 against 2.48 ms
+    there (h200_2026-12-04_moe_parts_1wg.json; gate / up, two accumulators, slowed to 8.3 ms that
+    way). dims: the GEMMs' K (hidden and intermediate sizes), which descriptors need as multiples
+    of 16."""
     if fp8 and block_m_for(num_entries, num_experts) == 64 and all(d % 16 == 0 for d in dims):
-        return {"block_n": 128, "num_warps": 8, "num_stages": 4, "w_tma": True}
+        return {"block_n": 128, "num_warps": 4 if down else 8, "num_stages": 4, "w_tma": True}
     return {}
 
 
