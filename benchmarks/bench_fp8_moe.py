@@ -600,6 +600,7 @@ def main() -> None:
     ap.add_argument("--moe-sweep", action="store_true", help="fused MoE tile configs (kernel rows only)")
     ap.add_argument("--moe-forms", action="store_true", help="the FP8 fused MoE with each down-output form")
     ap.add_argument("--small-sweep", action="store_true", help="M <= 64 tile / split configs, graph replays")
+    ap.add_argument("--tma-small-sweep", action="store_true", help="the same over the TMA kernel's configs")
     ap.add_argument("--gemm-only", action="store_true", help="skip the fused MoE rows")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="the GEMM rows' M values, comma-separated")
     ap.add_argument("--before", help="an earlier fp8_gemm_kernel.py, timed beside ours at M <= 64")
@@ -730,10 +731,10 @@ def main() -> None:
                 f"{r.get('ours_tflops', float('nan')):.0f}",
             )
         return
-    if args.small_sweep:
+    if args.small_sweep or args.tma_small_sweep:
         global REP_MS
         REP_MS = 50
-        small_sweep(g, args.json)
+        small_sweep(g, args.json, tma=args.tma_small_sweep)
         return
     before = load_before(args.before) if args.before else None
     res = {"device": torch.cuda.get_device_name(), **ceilings(), "gemm": []}
@@ -839,24 +840,33 @@ def compare(old: dict, new: dict, slack: float = 0.05) -> int:
     return 1 if slow else 0
 
 
-def small_sweep(g: torch.Generator, out: str | None) -> None:
+def small_sweep(g: torch.Generator, out: str | None, tma: bool = False) -> None:
     """M = 1 / 16 / 64 on every shape over tile widths, warps, stages and K splits, as graph replays
-    (bf16 beside)."""
+    (bf16 beside). tma: the tensor-descriptor kernel's configs (64-row tiles, one warpgroup),
+    beside the captured step's tuned config."""
     rows, bf16 = [], {}
     for name, (N, K) in SHAPES.items():
         for M in (1, 16, 64):
             n_kb = K // 128
-            for bn, nw, st, split in product((32, 64, 128, 256), (4, 8), (3, 4), (1, 2, 4, 8, 16)):
+            if tma:
+                grid = [(bn, 4, st, sp) for bn in (64, 128) for st in (3, 5) for sp in (1, 2, 4, 8)]
+            else:
+                grid = list(product((32, 64, 128, 256), (4, 8), (3, 4), (1, 2, 4, 8, 16)))
+            cfgs = [fp8_gemm_kernel.tuned_config(M, N, K, captured=True)] if tma else []
+            for bn, nw, st, split in grid:
                 if n_kb // split < 2 or (nw == 8 and bn < 128):
                     continue
-                cfg = {"block_m": max(16, 1 << (M - 1).bit_length()), "block_n": bn, "num_warps": nw}
-                cfg.update(num_stages=st, split_k=-(-n_kb // -(-n_kb // split)))
+                cfg = {"block_m": 64 if tma else max(16, 1 << (M - 1).bit_length()), "block_n": bn}
+                cfg.update(num_warps=nw, num_stages=st, split_k=-(-n_kb // -(-n_kb // split)), tma=tma)
+                cfgs.append(cfg)
+            for cfg in cfgs:
+                bn, nw, st, split = cfg["block_n"], cfg["num_warps"], cfg["num_stages"], cfg["split_k"]
                 try:
                     rows.append(case(name, N, K, M, g, cfg, small_sweep=True))
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                     rows.append({"shape": name, "M": M, "config": cfg, "error": repr(e)[:150]})
                 us = rows[-1].get("ours_graph_ms", float("nan")) * 1e3
-                print(name, M, bn, nw, st, split, f"{us:.2f} us", flush=True)
+                print(name, M, bn, nw, st, split, cfg.get("tma", False), f"{us:.2f} us", flush=True)
             x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
             w = (torch.randn(N, K, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
             bf16[(name, M)] = graph_ms(lambda wi: x @ wi.T, w)  # noqa: B023 - called at once
@@ -869,7 +879,7 @@ def small_sweep(g: torch.Generator, out: str | None) -> None:
         if "ours_graph_ms" in r and (k not in best or r["ours_graph_ms"] < best[k]["ours_graph_ms"]):
             best[k] = r
     for (name, M), r in best.items():
-        tuned = fp8_gemm_kernel.tuned_config(M, *SHAPES[name])
+        tuned = fp8_gemm_kernel.tuned_config(M, *SHAPES[name], captured=tma)
         same = [x for x in rows if (x["shape"], x["M"]) == (name, M) and x["config"] == tuned]
         tuned_us = same[0]["ours_graph_ms"] * 1e3 if same else float("nan")
         best_us, b = r["ours_graph_ms"] * 1e3, bf16[(name, M)] * 1e3

@@ -243,6 +243,31 @@ def test_tma_path_matches_float64(M, N, K, pick, rng):
     assert "tma" not in tuned_config(64, 7168, 16384) and "tma" not in tuned_config(16, 36864, 7168)
 
 
+@pytest.mark.parametrize("M, N, K, split", [(3, 200, 400, 2), (65, 130, 384, 3), (1, 70, 528, 5)])
+def test_tma_split_k_matches_float64(M, N, K, split, rng):
+    """The tensor-descriptor GEMM with K split over programs: NaN-poisoned output and partials,
+    zeroed counters; twice, interleaved with another shape on the same counters, each answer
+    equal to float64 and the repeat bitwise equal (the last split sums in split order)."""
+    from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant
+
+    cfg = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 1, "split_k": split, "tma": True}
+    counters = paddle.zeros([16], "int32")
+    runs = []
+    for x, codes, scale in [make(rng, M, N, K), make(rng, M + 2, N, K)] * 2:
+        m = x.shape[0]
+        a, a_s = paddle.empty([m, K], "uint8"), paddle.empty([-(-K // 128), m], "float32")
+        launch_act_quant(paddle.to_tensor(x), a, a_s, m_major=True)
+        out = paddle.full([m, N], float("nan"), "float32")
+        part = paddle.full([split, m, N], float("nan"), "float32")
+        launch_w8a8_gemm(a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg, part, counters)
+        want = numpy_ref(x, codes, scale)
+        assert np.abs(out.numpy() - want).max() < 1e-5 * np.abs(want).max()
+        assert (counters.numpy() == 0).all()
+        runs.append(out.numpy())
+    np.testing.assert_array_equal(runs[0], runs[2])
+    np.testing.assert_array_equal(runs[1], runs[3])
+
+
 def test_linear_at_tma_sizes(rng, monkeypatch):
     """The paddle wrapper runs the TMA path end to end (M-major quantization included) when
     tuned_config picks it, here forced at a small shape."""

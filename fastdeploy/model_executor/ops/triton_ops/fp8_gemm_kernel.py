@@ -123,22 +123,29 @@ def _w8a8_gemm_kernel(
         part = tl.dot(a, tl.trans(b))  # [BLOCK_M, BLOCK_N] float32
         b_s = tl.load(BS + nb * sbs + kb)
         acc += part * (a_s * b_s)[:, None]
+    tile = pid_m * tl.num_programs(1) + pid_n
+    _write_tile(acc, C, P, Counters, rows, cols, r_ok, c_ok, M, N, sc, split, n_split, tile, SPLIT)
+
+
+@triton.jit
+def _write_tile(acc, C, P, Counters, rows, cols, r_ok, c_ok, M, N, sc, split, n_split, tile, SPLIT: tl.constexpr):
+    """Store a tile's float32 acc into C, or with SPLIT write this split's partial into P
+    [n_split, M, N]; the last split of the tile to arrive (Counters[tile]) sums all partials in
+    split order, so the result does not depend on arrival order, and zeroes the counter for the
+    next launch."""
     ok = r_ok[:, None] & c_ok[None, :]
     dst = C + rows.to(tl.int64)[:, None] * sc + cols[None, :]
     if SPLIT:
-        # Write this split's float32 partial; the last split of the tile to arrive (a counter per
-        # tile) sums all partials in split order, so the result does not depend on arrival order,
-        # and zeroes the counter for the next launch.
         tile_p = P + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(tile_p + split * M * N, acc, mask=ok)
         tl.debug_barrier()  # every thread's partial is written before the count (release below)
-        arrived = tl.atomic_add(Counters + pid_m * tl.num_programs(1) + pid_n, 1, sem="acq_rel")
+        arrived = tl.atomic_add(Counters + tile, 1, sem="acq_rel")
         if arrived == n_split - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc = tl.zeros(acc.shape, tl.float32)
             for s in range(n_split):  # .cg: from L2, where the other splits' partials landed
                 acc += tl.load(tile_p + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
             tl.store(dst, acc.to(C.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(Counters + pid_m * tl.num_programs(1) + pid_n, 0)
+            tl.atomic_xchg(Counters + tile, 0)
     else:
         tl.store(dst, acc.to(C.dtype.element_ty), mask=ok)
 
@@ -150,25 +157,32 @@ def _w8a8_gemm_tma_kernel(
     AS,
     BS,
     C,
+    P,
+    Counters,
     M,
     N,
     K,
     sas_m,
     sas_k,
     sbs,
+    kb_per_split,
+    n_split,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_FP8: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """a_desc / b_desc: e4m3 [M, K] / [N, K] descriptors with [BLOCK_M, 128] / [BLOCK_N, 128]
-    blocks (reads past the edge are zeros); one program a BLOCK_M x BLOCK_N tile of C (BLOCK_N
-    <= 128: one weight scale a K block). Each K block's dot starts from zero and is promoted into
-    the float32 accumulator with its scales: the tensor cores' FP8 accumulation keeps ~14 bits,
-    so accumulating in place across K blocks (rescaling the accumulator by c_{k-1} / c_k) was 3x
-    less accurate on the H200 (h200_2026-12-04_fp8_tma_sweep.json, its form in commit 1493a7d)."""
+    blocks (reads past the edge are zeros); program (t, split) takes tile t of C (BLOCK_N <= 128:
+    one weight scale a K block) over its split's K blocks, as ``_w8a8_gemm_kernel``. Each K
+    block's dot starts from zero and is promoted into the float32 accumulator with its scales:
+    the tensor cores' FP8 accumulation keeps ~14 bits, so accumulating in place across K blocks
+    (rescaling the accumulator by c_{k-1} / c_k) was 3x less accurate on the H200
+    (h200_2026-12-04_fp8_tma_sweep.json, its form in commit 1493a7d)."""
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0)
+    split = tl.program_id(1)
     first = t // (GROUP_M * num_n) * GROUP_M
     size = tl.minimum(num_m - first, GROUP_M)
     pid_m = first + (t % (GROUP_M * num_n)) % size
@@ -177,8 +191,10 @@ def _w8a8_gemm_tma_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < M
     nb = (pid_n * BLOCK_N) // 128
+    kb_lo = split * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, tl.cdiv(K, 128))
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(tl.cdiv(K, 128)):
+    for kb in range(kb_lo, kb_hi):
         a = a_desc.load([pid_m * BLOCK_M, kb * 128])
         b = b_desc.load([pid_n * BLOCK_N, kb * 128])
         if not DOT_FP8:  # the interpreter: exact products in float32
@@ -186,8 +202,7 @@ def _w8a8_gemm_tma_kernel(
             b = b.to(tl.float32)
         a_s = tl.load(AS + rows * sas_m + kb * sas_k, mask=r_ok, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * (a_s * tl.load(BS + nb * sbs + kb))[:, None]
-    ok = r_ok[:, None] & (cols < N)[None, :]
-    tl.store(C + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty), mask=ok)
+    _write_tile(acc, C, P, Counters, rows, cols, r_ok, cols < N, M, N, N, split, n_split, t, SPLIT)
 
 
 def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = False) -> dict:
@@ -292,17 +307,20 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None, counters=None) -
             f"w8a8 gemm: split_k {split} leaves a split empty for {n_kb} K blocks, or block_n "
             f"{cfg['block_n']} does not divide 128"
         )
-    if cfg.get("tma"):
-        _launch_tma(a, a_s, b, b_s, out, cfg)
-        return
-    grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]), split)
+    tiles = triton.cdiv(M, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"])
     if split > 1:
         if split * M * N >= 2**31:
             raise ValueError(f"w8a8 gemm: split_k {split} partials of [{M}, {N}] overflow int32 offsets")
         if part is None or list(part.shape) != [split, M, N]:
             raise ValueError(f"w8a8 gemm: split_k {split} needs float32 partials [{split}, {M}, {N}]")
-        if counters is None or int(counters.shape[0]) < grid[0] * grid[1]:
-            raise ValueError(f"w8a8 gemm: split_k {split} needs zeroed int32 counters for {grid[0] * grid[1]} tiles")
+        if counters is None or int(counters.shape[0]) < tiles:
+            raise ValueError(f"w8a8 gemm: split_k {split} needs zeroed int32 counters for {tiles} tiles")
+    part = out if part is None else part  # pointer arguments a launch without split never reads
+    counters = out if counters is None else counters
+    if cfg.get("tma"):
+        _launch_tma(a, a_s, b, b_s, out, cfg, part, counters, per)
+        return
+    grid = (triton.cdiv(M, cfg["block_m"]), triton.cdiv(N, cfg["block_n"]), split)
     launch(
         _w8a8_gemm_kernel,
         grid,
@@ -311,8 +329,8 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None, counters=None) -
         b,
         b_s,
         out,
-        out if part is None else part,
-        out if counters is None else counters,
+        part,
+        counters,
         M,
         N,
         K,
@@ -355,31 +373,36 @@ def e4m3_descriptor(x, block_rows: int):
     return TensorDescriptor(_e4m3_view(x), [R, K], [stride(x, 0), 1], [block_rows, FP8_BLOCK])
 
 
-def _launch_tma(a, a_s, b, b_s, out, cfg: dict) -> None:
+def _launch_tma(a, a_s, b, b_s, out, cfg: dict, part, counters, per: int) -> None:
     M, K, N = int(a.shape[0]), int(a.shape[1]), int(b.shape[0])
     if a_s is None or K % 16 or list(a_s.shape) != [triton.cdiv(K, FP8_BLOCK), M]:
         raise ValueError(
             f"w8a8 gemm (tma): needs codes with K % 16 == 0 and M-major scales [{triton.cdiv(K, FP8_BLOCK)}, {M}]"
         )
-    bm, bn = cfg["block_m"], cfg["block_n"]
+    bm, bn, split = cfg["block_m"], cfg["block_n"], cfg["split_k"]
     launch(
         _w8a8_gemm_tma_kernel,
-        (triton.cdiv(M, bm) * triton.cdiv(N, bn),),
+        (triton.cdiv(M, bm) * triton.cdiv(N, bn), split),
         e4m3_descriptor(a, bm),
         e4m3_descriptor(b, bn),
         a_s,
         b_s,
         out,
+        part,
+        counters,
         M,
         N,
         K,
         stride(a_s, 1),
         stride(a_s, 0),
         stride(b_s, 0),
+        per,
+        split,
         BLOCK_M=bm,
         BLOCK_N=bn,
         GROUP_M=8,
         DOT_FP8=not interpret_mode(),
+        SPLIT=split > 1,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
