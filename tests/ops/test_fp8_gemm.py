@@ -50,7 +50,8 @@ def make(rng, M, N, K):
 
 
 @pytest.mark.parametrize("impl", [w8a8_block_linear, w8a8_block_linear_ref], ids=["triton", "ref"])
-@pytest.mark.parametrize("M, N, K", [(1, 200, 300), (5, 128, 256), (37, 130, 129), (130, 64, 384)])
+# (20, 200, 3072): M 17..64 through descriptors with K split in two (tuned_config)
+@pytest.mark.parametrize("M, N, K", [(1, 200, 300), (5, 128, 256), (37, 130, 129), (130, 64, 384), (20, 200, 3072)])
 def test_matches_float64(impl, M, N, K, rng):
     x, codes, scale = make(rng, M, N, K)
     got = impl(paddle.to_tensor(x), paddle.to_tensor(codes), paddle.to_tensor(scale)).numpy()
@@ -238,9 +239,9 @@ def test_tma_path_matches_float64(M, N, K, pick, rng):
         launch_w8a8_gemm(a_t, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
     assert "tma" not in tuned_config(4096, 4096, 4100)  # rows not 16-byte aligned: the pointer kernel
     assert "tma" not in tuned_config(512, 7168, 2048)  # small: the descriptors' host cost
-    # short K runs one warpgroup a CTA; decode sizes take TMA only over two waves of tiles
+    # short K runs one warpgroup a CTA; M 17..64 runs descriptors, M <= 16 the pointer kernel
     assert [tuned_config(*p)["num_warps"] for p in TMA_PICKS] == [8, 4, 4]
-    assert "tma" not in tuned_config(64, 7168, 16384) and "tma" not in tuned_config(16, 36864, 7168)
+    assert tuned_config(17, 7168, 16384)["tma"] and "tma" not in tuned_config(16, 36864, 7168)
 
 
 @pytest.mark.parametrize("M, N, K, split", [(3, 200, 400, 2), (65, 130, 384, 3), (1, 70, 528, 5)])

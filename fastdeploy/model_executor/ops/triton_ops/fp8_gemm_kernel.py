@@ -206,22 +206,20 @@ def _w8a8_gemm_tma_kernel(
 
 
 def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = False) -> dict:
-    """Tile, split-K and where the activations are quantized, from H200 sweeps. M >= 128
-    (benchmarks/results/h200_2026-12-03_fp8_gemm_sweep.json): 128 x 128 tiles on 8 warps with 5
-    stages (dense gate_up, M 4096: 3.78 ms against 4.06 with 3 stages). M <= 64
-    (h200_2026-12-03_fp8_gemm_small_sweep*.json, CUDA-graph replays over cold weights): the GEMM
+    """Tile, split-K, kernel and where the activations are quantized, from H200 sweeps (graph
+    replays over cold weights at M <= 64). M >= 128: the TMA kernel where it pays (below), else
+    128 x 128 pointer tiles on 8 warps, 5 stages (h200_2026-12-03_fp8_gemm_sweep.json). M 17..64:
+    the TMA kernel, below. M <= 16 (h200_2026-12-03_fp8_gemm_small_sweep*.json, still faster
+    than the TMA kernel there: h200_2026-12-04_fp8_tma_small_sweep.json): the pointer kernel
     streams the weight once and needs enough programs in flight to cover HBM latency, so K is
-    split while the tiles fill fewer SMs than wanted. M <= 16 wants about two waves and keeps >= 8
-    K blocks a split (expert gate_up 4096 x 7168: 4 splits 15.4 us, 1 split 28.2), and quantizes
-    its activations inside the GEMM ("fuse_quant"): one launch fewer for the eager engine, 3-16%
-    more GPU time than a separate quantization launch (h200_2026-12-03_fp8_gemm_decode_sizes.json).
-    M 17..64: the float32 partials are 4x larger and every N tile re-reads the activations from
-    L2, so only long K splits, to one wave, on 128-wide tiles (o_proj 7168 x 16384: 54.9 us
-    against 80.0 on 64-wide ones), and the activations are quantized once by their own launch
-    (in every N tile they cost 2-3x). "tma": ``_w8a8_gemm_tma_kernel``, which wants M-major
-    activation scales (``launch_act_quant(..., m_major=True)``). ``captured``: the GEMM runs
-    inside a CUDA graph, where a launch costs no host time, so M <= 16 also quantizes by its own
-    launch (o_proj M 1: 41.9 against 51.1 us as graph replays, h200_2026-12-04_fp8_gemm_tma_final)."""
+    split to about two waves keeping >= 8 K blocks a split (expert gate_up 4096 x 7168: 4 splits
+    15.4 us, 1 split 28.2), and it quantizes its activations inside the GEMM ("fuse_quant"): one
+    launch fewer for the eager engine, 3-16% more GPU time than a separate quantization launch
+    (h200_2026-12-03_fp8_gemm_decode_sizes.json). ``captured``: the GEMM runs inside a CUDA
+    graph, where a launch costs no host time, so M <= 16 also quantizes by its own launch (o_proj
+    M 1: 41.9 against 51.1 us as graph replays, h200_2026-12-04_fp8_gemm_tma_final). "tma":
+    ``_w8a8_gemm_tma_kernel``, which wants M-major activation scales
+    (``launch_act_quant(..., m_major=True)``)."""
     n_kb = triton.cdiv(K, FP8_BLOCK)
     # TMA where the rows are 16-byte aligned and M N K >= 2^33: below that the eager launch's host
     # cost (two descriptors) outweighs the gain (expert down at M 512: 0.167 ms against 0.118,
@@ -239,10 +237,19 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = Fa
         if K <= 2048:
             return {**one_wg, "tma": True}
         return {**one_wg, "block_m": 128, "num_warps": 8, "num_stages": 4, "tma": True}
-    if M > 16 and tma and triton.cdiv(N, 128) >= 2 * num_sms:
-        # M 17..64 with two waves of 64 x 128 tiles: no split needed, and the TMA kernel streams
-        # the weight at 3.3 TB/s (dense gate_up M 64: 79.7 us against 107.9)
-        return {**one_wg, "tma": True}
+    if M > 16 and K % 16 == 0:
+        # M 17..64 through descriptors, one 64-row warpgroup a CTA, as graph replays over cold
+        # weights (h200_2026-12-04_fp8_tma_small_sweep.json, M 64 against the pointer kernel):
+        # a wave of 64 x 128 tiles needs no split (dense gate_up 82.6 against 107.9 us, q_b 17.4
+        # against 17.7); fewer N tiles take 64 x 64 on 5 stages, K split to 1.5 waves keeping >= 12
+        # K blocks a split (o_proj 47.8 against 59.9, expert gate_up 18.3 against 28.9, expert
+        # down 10.7 against 12.0).
+        if triton.cdiv(N, 128) >= num_sms:
+            return {**one_wg, "tma": True}
+        tiles, split = triton.cdiv(N, 64), 1
+        while tiles * split < 1.5 * num_sms and n_kb // (2 * split) >= 12:
+            split *= 2
+        return {**one_wg, "block_n": 64, "num_stages": 5, "split_k": split, "tma": True}
     block_m = max(16, triton.next_power_of_2(M))
     tiles64 = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
     long_k = n_kb >= 32
