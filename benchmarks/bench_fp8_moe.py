@@ -253,12 +253,22 @@ def case(
             got = fn(codes_u8).clone()
             row[f"{form}_bitwise_equal_ours"] = bool(torch.equal(got, ours(codes_u8)))
             row[f"{form}_graph_ms"] = graph_ms(fn, codes_u8)
+        cap = gemm_fn(fp8_gemm_kernel, x, N, ws, fp8_gemm_kernel.tuned_config(M, N, K, captured=True))
+        row["captured_config"], row["captured_rel_err"] = cap.cfg, rel(cap(codes_u8), want)
+        row["correct"] &= row["captured_rel_err"] < 1e-2
+        row["captured_graph_ms"] = graph_ms(cap, codes_u8)  # the config a captured step asks for
         if before is not None:
             prev = gemm_fn(before, x, N, ws)
             row["before_config"] = prev.cfg
             row["before_rel_err"] = rel(prev(codes_u8), want)
             row["before_ms"] = bench(lambda: prev(codes_u8))
             row["before_graph_ms"] = graph_ms(prev, codes_u8)
+            if hasattr(before, "tuned_config"):  # the earlier tree's captured config
+                try:
+                    pc = gemm_fn(before, x, N, ws, before.tuned_config(M, N, K, captured=True))
+                    row["before_captured_graph_ms"] = graph_ms(pc, codes_u8)
+                except TypeError:  # a tree before the captured configs
+                    pass
     return row
 
 
@@ -796,15 +806,16 @@ def print_small(rows: list) -> None:
     nan = float("nan")
     print("M <= 64 as CUDA-graph replays over cold weights (us; GB/s of ours; ratios x / ours)")
     head = ("shape", "M", "ours", "GB/s", "before", "q inside", "q launch", "bf16", "deepgemm", "vs bf16", "vs before")
-    head += ("vs DG", "eager", "eager bef")
+    head += ("vs DG", "eager", "eager bef", "captured", "cap bef", "cap/bf16")
     print(" ".join(f"{h:>14}" if i == 0 else f"{h:>9}" for i, h in enumerate(head)))
     for r in rows:
         if r["M"] > 64:
             continue
         keys = ("ours_graph_ms", "before_graph_ms", "q1_graph_ms", "q2_graph_ms", "bf16_graph_ms", "deepgemm_graph_ms")
         o, b, q1, q2, f, d = (r.get(k, nan) for k in keys)
+        c, cb = r.get("captured_graph_ms", nan), r.get("before_captured_graph_ms", nan)
         vals = (o * 1e3, r.get("ours_graph_gbps", nan), b * 1e3, q1 * 1e3, q2 * 1e3, f * 1e3, d * 1e3, f / o, b / o)
-        vals += (d / o, r.get("ours_ms", nan) * 1e3, r.get("before_ms", nan) * 1e3)
+        vals += (d / o, r.get("ours_ms", nan) * 1e3, r.get("before_ms", nan) * 1e3, c * 1e3, cb * 1e3, f / c)
         print(f"{r['shape']:>14} {r['M']:9} " + " ".join(f"{v:9.2f}" for v in vals))
 
 

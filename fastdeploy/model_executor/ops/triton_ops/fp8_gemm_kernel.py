@@ -209,7 +209,7 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = Fa
     """Tile, split-K, kernel and where the activations are quantized, from H200 sweeps (graph
     replays over cold weights at M <= 64). M >= 128: the TMA kernel where it pays (below), else
     128 x 128 pointer tiles on 8 warps, 5 stages (h200_2026-12-03_fp8_gemm_sweep.json). M 17..64:
-    the TMA kernel, below. M <= 16 (h200_2026-12-03_fp8_gemm_small_sweep*.json, still faster
+    the TMA kernel where captured or large, below. M <= 16 (h200_2026-12-03_fp8_gemm_small_sweep*.json, still faster
     than the TMA kernel there: h200_2026-12-04_fp8_tma_small_sweep.json): the pointer kernel
     streams the weight once and needs enough programs in flight to cover HBM latency, so K is
     split to about two waves keeping >= 8 K blocks a split (expert gate_up 4096 x 7168: 4 splits
@@ -217,7 +217,10 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = Fa
     launch fewer for the eager engine, 3-16% more GPU time than a separate quantization launch
     (h200_2026-12-03_fp8_gemm_decode_sizes.json). ``captured``: the GEMM runs inside a CUDA
     graph, where a launch costs no host time, so M <= 16 also quantizes by its own launch (o_proj
-    M 1: 41.9 against 51.1 us as graph replays, h200_2026-12-04_fp8_gemm_tma_final). "tma":
+    M 1: 41.9 against 51.1 us as graph replays, h200_2026-12-04_fp8_gemm_tma_final) and M 17..64
+    always takes the TMA kernel; the engine's captured steps do not ask for it yet (a config of
+    their own would compile its kernels inside the capture, where module loads are refused, unless
+    the warm-up ran it too). "tma":
     ``_w8a8_gemm_tma_kernel``, which wants M-major activation scales
     (``launch_act_quant(..., m_major=True)``)."""
     n_kb = triton.cdiv(K, FP8_BLOCK)
@@ -237,13 +240,15 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = Fa
         if K <= 2048:
             return {**one_wg, "tma": True}
         return {**one_wg, "block_m": 128, "num_warps": 8, "num_stages": 4, "tma": True}
-    if M > 16 and K % 16 == 0:
+    if M > 16 and K % 16 == 0 and (captured or tma):
         # M 17..64 through descriptors, one 64-row warpgroup a CTA, as graph replays over cold
         # weights (h200_2026-12-04_fp8_tma_small_sweep.json, M 64 against the pointer kernel):
         # a wave of 64 x 128 tiles needs no split (dense gate_up 82.6 against 107.9 us, q_b 17.4
         # against 17.7); fewer N tiles take 64 x 64 on 5 stages, K split to 1.5 waves keeping >= 12
         # K blocks a split (o_proj 47.8 against 59.9, expert gate_up 18.3 against 28.9, expert
-        # down 10.7 against 12.0).
+        # down 10.7 against 12.0). Eagerly only above 2^33 M N K, as at M >= 128: the
+        # descriptors' host cost made expert gate_up M 64 take 151 us against 56 eagerly
+        # (h200_2026-12-04_fp8_gemm_full.json).
         if triton.cdiv(N, 128) >= num_sms:
             return {**one_wg, "tma": True}
         tiles, split = triton.cdiv(N, 64), 1
