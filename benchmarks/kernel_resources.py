@@ -179,7 +179,7 @@ def cases():
         {},
     )
     small = gemm.tuned_config(1, 7168, 16384)
-    for cfg, fused in ((gemm.tuned_config(4096, 7168, 2048), False), (small, False), (small, True)):
+    for cfg, fused in ((gemm.tuned_config(512, 7168, 2048), False), (small, False), (small, True)):
         yield (
             f"w8a8_gemm m{cfg['block_m']} n{cfg['block_n']}{' quant_a' if fused else ''}",
             gemm._w8a8_gemm_kernel,
@@ -207,25 +207,38 @@ def cases():
             },
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )
-    big = gemm.tuned_config(4096, 36864, 7168)
-    yield (
-        f"w8a8_gemm_tma m{big['block_m']} n{big['block_n']}",
-        gemm._w8a8_gemm_tma_kernel,
-        {
-            "a_desc": f"tensordesc<fp8e4nv[{big['block_m']}, 128]>",
-            "b_desc": f"tensordesc<fp8e4nv[{big['block_n']}, 128]>",
-            "AS": "*fp32",
-            "BS": "*fp32",
-            "C": "*bf16",
-            **{n: "i32" for n in ("M", "N", "K", "sas_m", "sas_k", "sbs")},
-            "BLOCK_M": "constexpr",
-            "BLOCK_N": "constexpr",
-            "GROUP_M": "constexpr",
-            "DOT_FP8": "constexpr",
-        },
-        {"BLOCK_M": big["block_m"], "BLOCK_N": big["block_n"], "GROUP_M": 8, "DOT_FP8": True},
-        {"num_warps": big["num_warps"], "num_stages": big["num_stages"]},
-    )
+    for cfg in (  # 128 x 128 on 8 warps; one warpgroup (short K); the captured M 64, K split
+        gemm.tuned_config(4096, 36864, 7168),
+        gemm.tuned_config(4096, 7168, 2048),
+        gemm.tuned_config(64, 4096, 7168, captured=True),
+    ):
+        yield (
+            f"w8a8_gemm_tma m{cfg['block_m']} n{cfg['block_n']} w{cfg['num_warps']} split {cfg['split_k']}",
+            gemm._w8a8_gemm_tma_kernel,
+            {
+                "a_desc": f"tensordesc<fp8e4nv[{cfg['block_m']}, 128]>",
+                "b_desc": f"tensordesc<fp8e4nv[{cfg['block_n']}, 128]>",
+                "AS": "*fp32",
+                "BS": "*fp32",
+                "C": "*bf16",
+                "P": "*fp32",
+                "Counters": "*i32",
+                **{n: "i32" for n in ("M", "N", "K", "sas_m", "sas_k", "sbs", "kb_per_split", "n_split")},
+                "BLOCK_M": "constexpr",
+                "BLOCK_N": "constexpr",
+                "GROUP_M": "constexpr",
+                "DOT_FP8": "constexpr",
+                "SPLIT": "constexpr",
+            },
+            {
+                "BLOCK_M": cfg["block_m"],
+                "BLOCK_N": cfg["block_n"],
+                "GROUP_M": 8,
+                "DOT_FP8": True,
+                "SPLIT": cfg["split_k"] > 1,
+            },
+            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+        )
     yield (
         "rms_norm",
         norm._rms_norm_kernel,

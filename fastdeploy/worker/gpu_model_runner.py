@@ -20,9 +20,10 @@ import paddle
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.input.grammar import token_bitmask
-from fastdeploy.model_executor.forward_meta import ForwardMetaBuilder
+from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.layers.attention.base_backend import KVSpec
 from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
+from fastdeploy.model_executor.layers.linear import captured_gemms
 from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.model_executor.load_weight_utils import load_weights, parameter_bytes
 from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
@@ -197,8 +198,13 @@ class GPUModelRunner:
             logger.warning("cuda_graph_capture is off under speculative decoding: decode steps run eagerly")
             return None
         layers = self.caches[: self.fd.model_config.num_hidden_layers]
+
+        def step(meta: ForwardMeta) -> paddle.Tensor:  # warm-up, capture and CPU re-runs alike
+            with captured_gemms(self.model):
+                return self.model.compute_logits(self.model(meta, layers))
+
         graphs = DecodeGraphs(
-            lambda meta: self.model.compute_logits(self.model(meta, layers)),
+            step,
             self.meta_builder,
             sc.cuda_graph_batch_sizes,
             self.null_block,

@@ -96,6 +96,44 @@ def test_kernel_path_linear_equals_reference(fp8_dir, rng):
     np.testing.assert_allclose(lin(x).numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_captured_gemms_take_the_captured_configs(rng, monkeypatch):
+    """Inside ``captured_gemms`` an FP8 linear asks tuned_config for the captured step's config
+    (here M 20 through descriptors, K split in two, where the eager config is the pointer
+    kernel); both answers equal float64, and the linear is eager again after the block, also
+    when the block raises."""
+    from fastdeploy.model_executor.layers.linear import captured_gemms
+    from fastdeploy.model_executor.ops.triton_ops import fp8_gemm
+    from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import tuned_config
+
+    asked = []
+
+    def spy(M, N, K, captured=False):
+        asked.append(tuned_config(M, N, K, captured=captured))
+        return asked[-1]
+
+    monkeypatch.setattr(fp8_gemm, "tuned_config", spy)
+    lin = LinearBase(3072, 200, "float32", FP8Linear(triton=True))
+    codes = rng.integers(0, 256, (200, 3072)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+    lin.weight.set_value(paddle.to_tensor(codes))
+    lin.weight_scale_inv.set_value(paddle.to_tensor(rng.uniform(1e-3, 1e-2, (2, 24)).astype(np.float32)))
+    x = paddle.to_tensor(rng.standard_normal((20, 3072)), "float32")
+    ref = LinearBase(3072, 200, "float32", FP8Linear(triton=False))
+    ref.weight.set_value(lin.weight)
+    ref.weight_scale_inv.set_value(lin.weight_scale_inv)
+    want = ref(x).numpy()
+    with captured_gemms(lin):
+        got_captured = lin(x).numpy()
+    got_eager = lin(x).numpy()
+    assert asked[0].get("tma") and asked[0]["split_k"] == 2 and "tma" not in asked[1]
+    for got in (got_captured, got_eager):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    with pytest.raises(RuntimeError), captured_gemms(lin):
+        raise RuntimeError("a failed capture")
+    lin(x)
+    assert "tma" not in asked[-1]
+
+
 def test_bad_settings_and_checkpoints_named(fp8_dir, tmp_path):
     plain = make_tiny_model(str(tmp_path / "plain"), num_layers=1)
     cfg = ModelConfig.from_pretrained(plain)

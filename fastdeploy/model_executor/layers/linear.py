@@ -8,6 +8,8 @@ checkpoint stores them; the forward is the W8A8 block GEMM (Triton) or its refer
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import paddle
@@ -30,7 +32,11 @@ class FP8Linear:
 
 
 class LinearBase(nn.Layer):
-    """y = x @ W^T; W [out, in] (this rank's part), in ``dtype`` or FP8 codes with ``fp8``."""
+    """y = x @ W^T; W [out, in] (this rank's part), in ``dtype`` or FP8 codes with ``fp8``.
+    ``captured_step``: True while a captured decode step runs (``captured_gemms``), when the FP8
+    GEMM takes its captured configuration."""
+
+    captured_step = False
 
     def __init__(
         self, in_features: int, out_features: int, dtype: str = "float32", fp8: FP8Linear | None = None
@@ -46,7 +52,6 @@ class LinearBase(nn.Layer):
             blocks = [-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK)]
             self.weight_scale_inv = self.create_parameter(blocks, dtype="float32", default_initializer=zero)
             self.weight.stop_gradient = self.weight_scale_inv.stop_gradient = True  # the kernels take them by DLPack
-            self.gemm = w8a8_block_linear if fp8.triton else w8a8_block_linear_ref
         self.weight.tp_shard = None
 
     def dequantized_weight(self) -> paddle.Tensor:
@@ -58,9 +63,12 @@ class LinearBase(nn.Layer):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.fp8 is None:
             return paddle.matmul(x, self.weight, transpose_y=True)
-        return self.gemm(x.reshape([-1, self.in_features]), self.weight, self.weight_scale_inv).reshape(
-            list(x.shape[:-1]) + [self.out_features]
-        )
+        x2 = x.reshape([-1, self.in_features])
+        if self.fp8.triton:
+            y = w8a8_block_linear(x2, self.weight, self.weight_scale_inv, captured=self.captured_step)
+        else:
+            y = w8a8_block_linear_ref(x2, self.weight, self.weight_scale_inv)
+        return y.reshape(list(x.shape[:-1]) + [self.out_features])
 
 
 class ReplicatedLinear(LinearBase):
@@ -107,3 +115,19 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         y = super().forward(x)
         return self.tp.all_reduce(y) if self.reduce else y
+
+
+@contextmanager
+def captured_gemms(model: nn.Layer) -> Iterator[None]:
+    """Inside, every linear of ``model`` runs as part of a captured decode step: the FP8 GEMMs
+    take ``tuned_config(..., captured=True)`` (a graph's launches cost no host time; docs/design.md
+    §4.8). The step's warm-up runs inside too, so the kernels of those configs compile before the
+    capture, which refuses module loads."""
+    layers = [layer for layer in model.sublayers(include_self=True) if isinstance(layer, LinearBase)]
+    for layer in layers:
+        layer.captured_step = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.captured_step = False

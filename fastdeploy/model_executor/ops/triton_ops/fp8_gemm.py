@@ -49,14 +49,17 @@ def split_counters(place: paddle.CPUPlace | paddle.CUDAPlace) -> paddle.Tensor:
     return _split_counters[key]
 
 
-def w8a8_block_linear(x: paddle.Tensor, weight: paddle.Tensor, scale: paddle.Tensor) -> paddle.Tensor:
-    """The Triton kernels: quantize x (inside the GEMM at M <= 16), then the block-scaled FP8 GEMM
-    (split K summed in the same launch)."""
+def w8a8_block_linear(
+    x: paddle.Tensor, weight: paddle.Tensor, scale: paddle.Tensor, captured: bool = False
+) -> paddle.Tensor:
+    """The Triton kernels: quantize x (inside the GEMM at M <= 16 unless ``captured``), then the
+    block-scaled FP8 GEMM (split K summed in the same launch), configured by ``tuned_config``;
+    ``captured``: the call is part of a captured decode step."""
     check_fp8_weight(weight, scale)
     M, K, N = x.shape[0], x.shape[1], weight.shape[0]
     if K != weight.shape[1]:
         raise ValueError(f"w8a8_block_linear: x has {K} columns, the weight {weight.shape[1]}")
-    cfg = tuned_config(M, N, K)
+    cfg = tuned_config(M, N, K, captured=captured)
     if cfg["fuse_quant"]:
         a, a_s = x.contiguous(), None
     else:
