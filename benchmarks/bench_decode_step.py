@@ -136,23 +136,26 @@ class Linear8:
     def __init__(self, n: int, k: int, m: int, g: torch.Generator) -> None:
         self.w, self.ws = fp8_weight(n, k, g)
         self.shape = (m, n, k)
-        self.cfg = tuned_config(m, n, k)
         self.out = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
         self.a = torch.empty(m, k, device=DEV, dtype=torch.uint8)
-        self.a_s = torch.empty(m, -(-k // 128), device=DEV)
-        sk = self.cfg["split_k"]
-        self.part = torch.empty(sk, m, n, device=DEV) if sk > 1 else None
         self.counters = torch.zeros(SPLIT_COUNTERS, device=DEV, dtype=torch.int32)
+        self.set_captured(False)
 
     def set_captured(self, captured: bool) -> None:
-        """The config a captured step takes (``tuned_config(..., captured=True)``) or the eager one."""
-        self.cfg = tuned_config(*self.shape, captured=captured)
+        """The config a captured step takes (``tuned_config(..., captured=True)``) or the eager one,
+        with its buffers (M-major activation scales for the TMA kernel, split partials)."""
+        m, n, k = self.shape
+        self.cfg = tuned_config(m, n, k, captured=captured)
+        tma = bool(self.cfg.get("tma"))
+        self.a_s = torch.empty(-(-k // 128), m, device=DEV) if tma else torch.empty(m, -(-k // 128), device=DEV)
+        sk = self.cfg["split_k"]
+        self.part = torch.empty(sk, m, n, device=DEV) if sk > 1 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg["fuse_quant"]:
             launch_w8a8_gemm(x.contiguous(), None, self.w, self.ws, self.out, self.cfg, self.part, self.counters)
         else:
-            launch_act_quant(x, self.a, self.a_s)
+            launch_act_quant(x, self.a, self.a_s, m_major=bool(self.cfg.get("tma")))
             launch_w8a8_gemm(self.a, self.a_s, self.w, self.ws, self.out, self.cfg, self.part, self.counters)
         return self.out
 
