@@ -27,20 +27,17 @@ import triton.language as tl
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_fp8_moe import SHAPES  # noqa: E402
 
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: E402
     e4m3_descriptor,
+    grouped_tile,
     launch_act_quant,
 )
 from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode  # noqa: E402
 
-SHAPES = {
-    "q_b_proj": (24576, 1536),
-    "o_proj": (7168, 16384),
-    "expert_gate_up": (4096, 7168),
-    "expert_down": (7168, 2048),
-    "dense_gate_up": (36864, 7168),
-}
 # (form, block_m, block_n, warps, stages, group_m)
 CONFIGS = [
     ("main", 128, 128, 8, 4, 8),
@@ -93,12 +90,7 @@ def _form_kernel(
     FORM: tl.constexpr,  # 0 main, 1 pipe2, 2 noscale
     DOT_FP8: tl.constexpr,
 ):
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    t = tl.program_id(0)
-    first = t // (GROUP_M * num_n) * GROUP_M
-    size = tl.minimum(num_m - first, GROUP_M)
-    pid_m = first + (t % (GROUP_M * num_n)) % size
-    pid_n = (t % (GROUP_M * num_n)) // size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < M

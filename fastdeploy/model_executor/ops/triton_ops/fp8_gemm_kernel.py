@@ -151,6 +151,15 @@ def _write_tile(acc, C, P, Counters, rows, cols, r_ok, c_ok, M, N, sc, split, n_
 
 
 @triton.jit
+def grouped_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tile t's (row, column) in grouped order: GROUP_M row tiles walk the columns together, so a
+    weight tile is read by GROUP_M neighbours while it is in L2."""
+    first = t // (GROUP_M * num_n) * GROUP_M
+    size = tl.minimum(num_m - first, GROUP_M)
+    return first + (t % (GROUP_M * num_n)) % size, (t % (GROUP_M * num_n)) // size
+
+
+@triton.jit
 def _w8a8_gemm_tma_kernel(
     a_desc,
     b_desc,
@@ -180,13 +189,9 @@ def _w8a8_gemm_tma_kernel(
     the tensor cores' FP8 accumulation keeps ~14 bits, so accumulating in place across K blocks
     (rescaling the accumulator by c_{k-1} / c_k) was 3x less accurate on the H200
     (h200_2026-12-04_fp8_tma_sweep.json, its form in commit 1493a7d)."""
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     t = tl.program_id(0)
     split = tl.program_id(1)
-    first = t // (GROUP_M * num_n) * GROUP_M
-    size = tl.minimum(num_m - first, GROUP_M)
-    pid_m = first + (t % (GROUP_M * num_n)) % size
-    pid_n = (t % (GROUP_M * num_n)) // size
+    pid_m, pid_n = grouped_tile(t, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < M
