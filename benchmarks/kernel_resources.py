@@ -229,6 +229,7 @@ def cases():
                 "GROUP_M": "constexpr",
                 "DOT_FP8": "constexpr",
                 "SPLIT": "constexpr",
+                "STREAM_K": "constexpr",
             },
             {
                 "BLOCK_M": cfg["block_m"],
@@ -236,6 +237,7 @@ def cases():
                 "GROUP_M": 8,
                 "DOT_FP8": True,
                 "SPLIT": cfg["split_k"] > 1,
+                "STREAM_K": bool(cfg.get("stream_k")),
             },
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )
