@@ -878,10 +878,6 @@ def small_sweep(g: torch.Generator, out: str | None, tma: bool = False) -> None:
                 cfg = {"block_m": 64 if tma else max(16, 1 << (M - 1).bit_length()), "block_n": bn}
                 cfg.update(num_warps=nw, num_stages=st, split_k=-(-n_kb // -(-n_kb // split)), tma=tma)
                 cfgs.append(cfg)
-            for bn, st, programs in product((64, 128), (3, 5), (132, 264, 396)) if tma else ():  # stream-K
-                most = fp8_gemm_kernel.stream_k_split(-(-N // bn), n_kb, programs)[1]
-                cfgs.append({"block_m": 64, "block_n": bn, "num_warps": 4, "num_stages": st, "split_k": most})
-                cfgs[-1].update(tma=True, stream_k=programs)
             for cfg in cfgs:
                 bn, nw, st, split = cfg["block_n"], cfg["num_warps"], cfg["num_stages"], cfg["split_k"]
                 try:
@@ -889,7 +885,7 @@ def small_sweep(g: torch.Generator, out: str | None, tma: bool = False) -> None:
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                     rows.append({"shape": name, "M": M, "config": cfg, "error": repr(e)[:150]})
                 us = rows[-1].get("ours_graph_ms", float("nan")) * 1e3
-                print(name, M, bn, nw, st, split, cfg.get("tma"), cfg.get("stream_k"), f"{us:.2f} us", flush=True)
+                print(name, M, bn, nw, st, split, cfg.get("tma", False), f"{us:.2f} us", flush=True)
             x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
             w = (torch.randn(N, K, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
             bf16[(name, M)] = graph_ms(lambda wi: x @ wi.T, w)  # noqa: B023 - called at once

@@ -229,7 +229,6 @@ def cases():
                 "GROUP_M": "constexpr",
                 "DOT_FP8": "constexpr",
                 "SPLIT": "constexpr",
-                "STREAM_K": "constexpr",
             },
             {
                 "BLOCK_M": cfg["block_m"],
@@ -237,7 +236,6 @@ def cases():
                 "GROUP_M": 8,
                 "DOT_FP8": True,
                 "SPLIT": cfg["split_k"] > 1,
-                "STREAM_K": bool(cfg.get("stream_k")),
             },
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )

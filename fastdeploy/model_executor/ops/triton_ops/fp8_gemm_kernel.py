@@ -160,25 +160,6 @@ def grouped_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tma_tile_acc(
-    a_desc, b_desc, AS, BS, rows, r_ok, pid_m, pid_n, kb_lo, kb_hi, sas_m, sas_k, sbs, BLOCK_M, BLOCK_N, DOT_FP8
-):
-    """Tile (pid_m, pid_n)'s float32 sum over K blocks [kb_lo, kb_hi): each block's FP8 dot starts
-    from zero and is promoted into the accumulator with the row's and the weight block's scales."""
-    nb = (pid_n * BLOCK_N) // 128  # the tile's weight-scale row (BLOCK_N divides 128)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(kb_lo, kb_hi):
-        a = a_desc.load([pid_m * BLOCK_M, kb * 128])
-        b = b_desc.load([pid_n * BLOCK_N, kb * 128])
-        if not DOT_FP8:  # the interpreter: exact products in float32
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        a_s = tl.load(AS + rows * sas_m + kb * sas_k, mask=r_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * (a_s * tl.load(BS + nb * sbs + kb))[:, None]
-    return acc
-
-
-@triton.jit
 def _w8a8_gemm_tma_kernel(
     a_desc,
     b_desc,
@@ -200,73 +181,33 @@ def _w8a8_gemm_tma_kernel(
     GROUP_M: tl.constexpr,
     DOT_FP8: tl.constexpr,
     SPLIT: tl.constexpr,
-    STREAM_K: tl.constexpr = False,
 ):
     """a_desc / b_desc: e4m3 [M, K] / [N, K] descriptors with [BLOCK_M, 128] / [BLOCK_N, 128]
     blocks (reads past the edge are zeros); program (t, split) takes tile t of C (BLOCK_N <= 128:
-    one weight scale a K block) over its split's K blocks, as ``_w8a8_gemm_kernel``. The tensor
-    cores' FP8 accumulation keeps ~14 bits, so each K block is promoted into float32
-    (``_tma_tile_acc``); accumulating in place across K blocks (rescaling the accumulator by
-    c_{k-1} / c_k) was 3x less accurate on the H200 (h200_2026-12-04_fp8_tma_sweep.json, its
-    form in commit 1493a7d).
-    STREAM_K: a grid of programs, each taking the next kb_per_split (tile, K block) iterations
-    of all tiles' K loops in order, so every program does the same work whatever the tile
-    count; a tile's iterations shared by several programs are summed through ``_write_tile``,
-    the programs' order in the tile being the split order (n_split bounds it)."""
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    if STREAM_K:
-        n_kb = tl.cdiv(K, 128)
-        prog = tl.program_id(0)
-        it = prog * kb_per_split
-        end = tl.minimum(it + kb_per_split, num_m * num_n * n_kb)
-        while it < end:
-            t = it // n_kb
-            kb_lo = it - t * n_kb
-            kb_hi = tl.minimum(n_kb, kb_lo + end - it)
-            pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            r_ok = rows < M
-            acc = _tma_tile_acc(
-                a_desc,
-                b_desc,
-                AS,
-                BS,
-                rows,
-                r_ok,
-                pid_m,
-                pid_n,
-                kb_lo,
-                kb_hi,
-                sas_m,
-                sas_k,
-                sbs,
-                BLOCK_M,
-                BLOCK_N,
-                DOT_FP8,
-            )
-            first = (t * n_kb) // kb_per_split  # the tile's first and last programs
-            last = ((t + 1) * n_kb - 1) // kb_per_split
-            if first == last:
-                _write_tile(acc, C, P, Counters, rows, cols, r_ok, cols < N, M, N, N, 0, 1, t, False)
-            else:
-                _write_tile(
-                    acc, C, P, Counters, rows, cols, r_ok, cols < N, M, N, N, prog - first, last - first + 1, t, True
-                )
-            it += kb_hi - kb_lo
-    else:
-        t = tl.program_id(0)
-        split = tl.program_id(1)
-        pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        r_ok = rows < M
-        kb_lo = split * kb_per_split
-        kb_hi = tl.minimum(kb_lo + kb_per_split, tl.cdiv(K, 128))
-        acc = _tma_tile_acc(
-            a_desc, b_desc, AS, BS, rows, r_ok, pid_m, pid_n, kb_lo, kb_hi, sas_m, sas_k, sbs, BLOCK_M, BLOCK_N, DOT_FP8
-        )
-        _write_tile(acc, C, P, Counters, rows, cols, r_ok, cols < N, M, N, N, split, n_split, t, SPLIT)
+    one weight scale a K block) over its split's K blocks, as ``_w8a8_gemm_kernel``. Each K
+    block's dot starts from zero and is promoted into the float32 accumulator with its scales:
+    the tensor cores' FP8 accumulation keeps ~14 bits, so accumulating in place across K blocks
+    (rescaling the accumulator by c_{k-1} / c_k) was 3x less accurate on the H200
+    (h200_2026-12-04_fp8_tma_sweep.json, its form in commit 1493a7d)."""
+    t = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(t, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < M
+    nb = (pid_n * BLOCK_N) // 128
+    kb_lo = split * kb_per_split
+    kb_hi = tl.minimum(kb_lo + kb_per_split, tl.cdiv(K, 128))
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(kb_lo, kb_hi):
+        a = a_desc.load([pid_m * BLOCK_M, kb * 128])
+        b = b_desc.load([pid_n * BLOCK_N, kb * 128])
+        if not DOT_FP8:  # the interpreter: exact products in float32
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        a_s = tl.load(AS + rows * sas_m + kb * sas_k, mask=r_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * (a_s * tl.load(BS + nb * sbs + kb))[:, None]
+    _write_tile(acc, C, P, Counters, rows, cols, r_ok, cols < N, M, N, N, split, n_split, t, SPLIT)
 
 
 def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = False) -> dict:
@@ -361,13 +302,6 @@ def launch_act_quant(x, codes, scales, m_major: bool = False) -> None:
     )
 
 
-def stream_k_split(tiles: int, n_kb: int, programs: int) -> tuple[int, int]:
-    """Stream-K over ``programs``: (tile, K block) iterations a program, and the most programs
-    one tile's K loop can be shared by (the partials a launch needs)."""
-    per = triton.cdiv(tiles * n_kb, programs)
-    return per, min(programs, (n_kb - 1) // per + 2)
-
-
 SPLIT_COUNTERS = 8192  # the most tiles a split GEMM may have (M <= 64: 36864 / 64 = 576)
 
 
@@ -384,17 +318,13 @@ def launch_w8a8_gemm(a, a_s, b, b_s, out, cfg: dict, part=None, counters=None) -
         return
     n_kb = triton.cdiv(K, FP8_BLOCK)
     split = cfg["split_k"]
+    per = triton.cdiv(n_kb, split)
+    if triton.cdiv(n_kb, per) != split or 128 % cfg["block_n"]:
+        raise ValueError(
+            f"w8a8 gemm: split_k {split} leaves a split empty for {n_kb} K blocks, or block_n "
+            f"{cfg['block_n']} does not divide 128"
+        )
     tiles = triton.cdiv(M, cfg["block_m"]) * triton.cdiv(N, cfg["block_n"])
-    if cfg.get("stream_k"):
-        per, most = stream_k_split(tiles, n_kb, cfg["stream_k"])
-        if split != most or not cfg.get("tma"):
-            raise ValueError(f"w8a8 gemm: stream_k {cfg['stream_k']} runs on the TMA kernel with split_k {most}")
-    else:
-        per = triton.cdiv(n_kb, split)
-        if triton.cdiv(n_kb, per) != split:
-            raise ValueError(f"w8a8 gemm: split_k {split} leaves a split empty for {n_kb} K blocks")
-    if 128 % cfg["block_n"]:
-        raise ValueError(f"w8a8 gemm: block_n {cfg['block_n']} does not divide 128")
     if split > 1:
         if split * M * N >= 2**31:
             raise ValueError(f"w8a8 gemm: split_k {split} partials of [{M}, {N}] overflow int32 offsets")
@@ -467,10 +397,9 @@ def _launch_tma(a, a_s, b, b_s, out, cfg: dict, part, counters, per: int) -> Non
             f"w8a8 gemm (tma): needs codes with K % 16 == 0 and M-major scales [{triton.cdiv(K, FP8_BLOCK)}, {M}]"
         )
     bm, bn, split = cfg["block_m"], cfg["block_n"], cfg["split_k"]
-    tiles, stream_k = triton.cdiv(M, bm) * triton.cdiv(N, bn), bool(cfg.get("stream_k"))
     launch(
         _w8a8_gemm_tma_kernel,
-        (triton.cdiv(tiles * triton.cdiv(K, FP8_BLOCK), per),) if stream_k else (tiles, split),
+        (triton.cdiv(M, bm) * triton.cdiv(N, bn), split),
         e4m3_descriptor(a, bm),
         e4m3_descriptor(b, bn),
         a_s,
@@ -491,7 +420,6 @@ def _launch_tma(a, a_s, b, b_s, out, cfg: dict, part, counters, per: int) -> Non
         GROUP_M=8,
         DOT_FP8=not interpret_mode(),
         SPLIT=split > 1,
-        STREAM_K=stream_k,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
