@@ -706,6 +706,8 @@ def main() -> None:
                     (128, 128, 8, 3, True),
                     (128, 128, 8, 4, True),
                     (128, 64, 4, 4, True),
+                    (128, 64, 8, 4, True),  # 128-row tiles, the gated pair as 128 x 128 on 8 warps
+                    (128, 64, 8, 3, True),
                 ):
                     if bm and T < 512:
                         continue
