@@ -210,22 +210,30 @@ def _w8a8_gemm_tma_kernel(
     _write_tile(acc, C, P, Counters, rows, cols, r_ok, cols < N, M, N, N, split, n_split, t, SPLIT)
 
 
+def _splits(tiles: int, n_kb: int, programs: float, min_kb: int) -> int:
+    """K splits for ``tiles`` tiles: doubled while the programs stay below ``programs`` and each
+    split keeps >= min_kb of the n_kb K blocks, then trimmed so that every split gets K blocks."""
+    split = 1
+    while tiles * split < programs and n_kb // (2 * split) >= min_kb:
+        split *= 2
+    return triton.cdiv(n_kb, triton.cdiv(n_kb, split))
+
+
 def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = False) -> dict:
     """Tile, split-K, kernel and where the activations are quantized, from H200 sweeps (graph
     replays over cold weights at M <= 64). M >= 128: the TMA kernel where it pays (below), else
     128 x 128 pointer tiles on 8 warps, 5 stages (h200_2026-12-03_fp8_gemm_sweep.json). M 17..64:
-    the TMA kernel where captured or large, below. M <= 16 (h200_2026-12-03_fp8_gemm_small_sweep*.json, still faster
-    than the TMA kernel there: h200_2026-12-04_fp8_tma_small_sweep.json): the pointer kernel
-    streams the weight once and needs enough programs in flight to cover HBM latency, so K is
-    split to about two waves keeping >= 8 K blocks a split (expert gate_up 4096 x 7168: 4 splits
-    15.4 us, 1 split 28.2), and it quantizes its activations inside the GEMM ("fuse_quant"): one
-    launch fewer for the eager engine, 3-16% more GPU time than a separate quantization launch
+    the TMA kernel where captured or large, below. M <= 16, where the pointer kernel is still
+    faster than the TMA kernel (h200_2026-12-04_fp8_tma_small_sweep.json;
+    h200_2026-12-03_fp8_gemm_small_sweep*.json): it streams the weight once and needs enough
+    programs in flight to cover HBM latency, so K is split to about two waves keeping >= 8 K
+    blocks a split (expert gate_up 4096 x 7168: 4 splits 15.4 us, 1 split 28.2), and it
+    quantizes its activations inside the GEMM ("fuse_quant"): one launch fewer for the eager
+    engine, 3-16% more GPU time than a separate quantization launch
     (h200_2026-12-03_fp8_gemm_decode_sizes.json). ``captured``: the GEMM runs inside a CUDA
-    graph, where a launch costs no host time, so M <= 16 also quantizes by its own launch (o_proj
-    M 1: 41.9 against 51.1 us as graph replays, h200_2026-12-04_fp8_gemm_tma_final) and M 17..64
-    always takes the TMA kernel; the engine's captured steps do not ask for it yet (a config of
-    their own would compile its kernels inside the capture, where module loads are refused, unless
-    the warm-up ran it too). "tma":
+    graph (``layers.linear.captured_gemms``), where a launch costs no host time, so M <= 16 also
+    quantizes by its own launch (o_proj M 1: 41.9 against 51.1 us as graph replays,
+    h200_2026-12-04_fp8_gemm_tma_final) and M 17..64 always takes the TMA kernel. "tma":
     ``_w8a8_gemm_tma_kernel``, which wants M-major activation scales
     (``launch_act_quant(..., m_major=True)``)."""
     n_kb = triton.cdiv(K, FP8_BLOCK)
@@ -256,9 +264,7 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = Fa
         # (h200_2026-12-04_fp8_gemm_full.json).
         if triton.cdiv(N, 128) >= num_sms:
             return {**one_wg, "tma": True}
-        tiles, split = triton.cdiv(N, 64), 1
-        while tiles * split < 1.5 * num_sms and n_kb // (2 * split) >= 12:
-            split *= 2
+        split = _splits(triton.cdiv(N, 64), n_kb, 1.5 * num_sms, 12)
         return {**one_wg, "block_n": 64, "num_stages": 5, "split_k": split, "tma": True}
     block_m = max(16, triton.next_power_of_2(M))
     tiles64 = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
@@ -268,11 +274,7 @@ def tuned_config(M: int, N: int, K: int, num_sms: int = 132, captured: bool = Fa
     else:
         block_n = 128 if long_k and tiles64 < num_sms else 64
         waves, min_kb = (1, 4) if long_k else (0, n_kb)
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    split = 1
-    while tiles * split < waves * num_sms and n_kb // (2 * split) >= min_kb:
-        split *= 2
-    split = triton.cdiv(n_kb, triton.cdiv(n_kb, split))  # every split gets K blocks
+    split = _splits(triton.cdiv(M, block_m) * triton.cdiv(N, block_n), n_kb, waves * num_sms, min_kb)
     cfg = {"block_m": block_m, "block_n": block_n, "num_warps": 4, "num_stages": 4, "split_k": split}
     return {**cfg, "fuse_quant": M <= 16 and not captured}
 

@@ -88,8 +88,8 @@ def fused_moe(
         a2, a2_s = inter, None
     y = paddle.empty([N, H], x.dtype)
     top_w = topk_weights.astype("float32").flatten().contiguous()
-    tiles = moe_tile_config(N, E, fp8, (H, inter_dim), down=True)
-    launch_moe_gemm(a2, w2, y, sorted_ids, block_expert, N, K, bm, a_s=a2_s, ws1=s2, top_w=top_w, **tiles)
+    down_tiles = moe_tile_config(N, E, fp8, (H, inter_dim), down=True)
+    launch_moe_gemm(a2, w2, y, sorted_ids, block_expert, N, K, bm, a_s=a2_s, ws1=s2, top_w=top_w, **down_tiles)
     out = paddle.empty([T, H], "float32")
     launch_moe_sum(y, flat, E, out)
     return out
