@@ -123,6 +123,9 @@ DEGENERATE_OK = [  # valid, extreme sampling values: 200 with exact token counts
     {"stop": ["a", "b", "c", "d"], "min_tokens": 4},  # min_tokens: no stop before 4 tokens
     {"stop_token_ids": [0, 1, 2], "min_tokens": 4},
     {"top_k": 100000},
+    {"top_k": 2**63 - 1},  # above the vocabulary: the whole vocabulary (vLLM), never an int32 overflow
+    {"top_k": 2**63},
+    {"top_k": 10**30},
 ]
 
 
@@ -208,6 +211,11 @@ def test_degenerate_sampling_values_are_greedy_or_bounded(live):
     for extra in ({"temperature": 1e-310}, {"temperature": 1.5, "top_p": 1e-12}, {"temperature": 2.0, "top_k": 1}):
         r = httpx.post(base + CMPL, json={**GREEDY, "logprobs": 0, **extra}, timeout=60)
         assert r.json()["choices"][0]["logprobs"]["tokens"] == want, extra
+    seeded = {**GREEDY, "temperature": 1.0, "seed": 7, "logprobs": 0}
+    whole = httpx.post(base + CMPL, json=seeded, timeout=60).json()["choices"][0]["logprobs"]["tokens"]
+    for k in (2**63 - 1, 2**63, 10**30):  # above the vocabulary: the whole vocabulary, as vLLM
+        r = httpx.post(base + CMPL, json={**seeded, "top_k": k}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["tokens"] == whole, (k, r.text)
     r = httpx.post(base + CMPL, json={**GREEDY, "temperature": 1.0, "logit_bias": {"65": 100}, "logprobs": 0})
     assert r.status_code == 200
     tokens = r.json()["choices"][0]["logprobs"]["tokens"]

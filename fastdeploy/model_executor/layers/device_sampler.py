@@ -99,7 +99,7 @@ class DeviceSampler:
             (s.temperature, s.top_p, s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty)
             for s in states
         ]
-        i[:, I_TOP_K] = [s.top_k for s in states]
+        i[:, I_TOP_K] = [min(s.top_k, self.vocab_size) for s in states]  # above the vocabulary: all of it
         i[:, I_SLOT] = -1
         n_out = [len(o) for o in outs]
         in_step = {id(r) for r in reqs}
