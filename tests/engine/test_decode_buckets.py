@@ -304,3 +304,27 @@ def test_one_copy_fills_the_step_buffer(tiny_model_dir):
         table = buf[4 + i * 2 * W : 4 + (i + 1) * 2 * W].reshape(2, W)
         assert table[:, :2].tolist() == [[21, -1], [22, 23]]  # this step's, -1 padded to its longest row
         assert table[:, 2:4].tolist() == [[3, 4], [-1, -1]] and (table[:, 4:] == -7).all()  # earlier steps'
+
+
+def test_rows_reaching_a_max_model_len_off_the_block_grid_stay_captured(tiny_model_dir, rng):
+    """max_model_len 200 over 16-token blocks: a row at the last positions holds 13 blocks (the
+    13th partly usable). Every pure-decode step, up to the row that reaches 200 tokens, runs
+    captured, with the eager engine's tokens."""
+    kw = dict(block_size=16, max_num_seqs=4, max_model_len=200)
+    eng = LLM(tiny_model_dir, cuda_graph_batch_sizes="2", cuda_graph_capture=True, **kw).engine
+    plain = LLM(tiny_model_dir, cuda_graph_batch_sizes="", **kw).engine
+    prompts = [[int(x) for x in rng.integers(2, 500, n)] for n in (170, 176)]
+    outs, decodes = [], 0
+    for e in (eng, plain):
+        for i, p in enumerate(prompts):
+            e.add_request(p, SamplingParams(max_tokens=200 - len(p), temperature=0.0, ignore_eos=True), f"r{i}")
+        done = {}
+        while e.has_unfinished_requests():
+            running = e.scheduler.running[:]
+            if e is eng and running and all(r.num_computed_tokens == r.num_tokens - 1 for r in running):
+                decodes += 1
+            done.update({o.request_id: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in e.step()})
+        outs.append(done)
+    assert outs[0] == outs[1]
+    assert [len(p) + len(outs[0][f"r{i}"][0]) for i, p in enumerate(prompts)] == [200, 200]
+    assert decodes > 0 and eng.runner.graphs.replays == decodes

@@ -153,15 +153,19 @@ def test_a_key_draws_the_same_token_in_any_batch(rng, triton):
 
 
 @pytest.mark.parametrize("triton", [True, False])
-def test_top_p_ties_keep_the_lowest_ids(triton):
-    """Four equal tokens, top_p 0.5: exactly tokens 0 and 1 are ever drawn (numpy's rule)."""
+@pytest.mark.parametrize("top_p, kept", [(0.5, 2), (0.3, 2), (0.6, 3), (0.8, 4)])
+def test_top_p_ties_keep_the_lowest_ids(triton, top_p, kept):
+    """Four equal tokens (a quarter of the mass each): top_p keeps the fewest of them, lowest ids
+    first, whose mass reaches it, the numpy sampler's set; 0.3 and 0.6 land between two counts
+    (1.2 and 2.4 tokens' worth: 2 and 3 kept), 0.5 on one."""
     n = 80
     logits = np.zeros((n, 6), np.float32)
     logits[:, 4:] = -50
-    st = SamplingState(temperature=1.0, top_p=0.5)
+    st = SamplingState(temperature=1.0, top_p=top_p)
+    assert kept_mask(logits[0].astype(np.float64), st)[1].tolist() == [True] * kept + [False] * (6 - kept)
     batch = Batch(np.random.default_rng(1), [st] * n, 6)
     tokens = batch.run(triton, logits=logits)[0]
-    assert set(tokens.tolist()) == {0, 1}
+    assert set(tokens.tolist()) == set(range(kept))
 
 
 def test_draws_follow_the_reference_distribution(rng):
