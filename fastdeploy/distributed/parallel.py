@@ -20,6 +20,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,34 @@ import paddle
 
 LAUNCH_ENV = "PADDLE_TRAINERS_NUM"
 BEAT_ENV = "FD_BEAT_FD"  # a spawned worker's liveness pipe (its write end's descriptor)
-BEAT_S = 0.5  # seconds between a worker's beats
+BEAT_S = 0.5  # seconds between a worker's beats (at most; a quarter of --dist-timeout if shorter)
+COMPUTING, WAITING = b"c", b"w"  # a beat: the rank computed since its last beat, or only waited
+
+
+class Activity:
+    """Whether this rank is computing or waiting in a collective, as its beats tell the driver's
+    watchdog: a step whose every rank only waits is hung, one where a rank computes is long."""
+
+    def __init__(self) -> None:
+        self.waiting = False  # inside a TPGroup collective now
+        self.done = 0  # collectives finished
+        self.seen = 0  # ``done`` at the last ``computed`` call
+
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
+            self.done += 1
+
+    def computed(self) -> bool:
+        """Whether this rank computed since the last call: it is outside a collective now, or
+        it left one since."""
+        left = self.done != self.seen
+        self.seen = self.done
+        return left or not self.waiting
 
 
 @dataclass
@@ -39,6 +68,7 @@ class TPGroup:
     cpu_group: Any = None  # host arrays: a gloo group
     workers: list = field(default_factory=list)  # child processes this driver started
     beats: list = field(default_factory=list)  # per worker, the read end of its liveness pipe
+    activity: Activity = field(default_factory=Activity)  # this rank's, told by its beats
 
     @property
     def is_driver(self) -> bool:
@@ -57,7 +87,8 @@ class TPGroup:
             return x
         import paddle.distributed as dist
 
-        dist.all_reduce(x, group=self.group)
+        with self.activity.collective():
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -67,7 +98,8 @@ class TPGroup:
         import paddle.distributed as dist
 
         parts: list[paddle.Tensor] = []
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        with self.activity.collective():
+            dist.all_gather(parts, x.contiguous(), group=self.group)
         return paddle.concat(parts, axis=-1)
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -78,10 +110,12 @@ class TPGroup:
 
         data = pickle.dumps(obj) if self.is_driver else b""
         n = paddle.to_tensor([len(data)], dtype="int64")
-        dist.broadcast(n, src=0, group=self.cpu_group)
-        size = int(n.numpy()[0])
+        with self.activity.collective():
+            dist.broadcast(n, src=0, group=self.cpu_group)
+            size = int(n.numpy()[0])
         buf = paddle.to_tensor(np.frombuffer(data, np.uint8)) if self.is_driver else paddle.zeros([size], "uint8")
-        dist.broadcast(buf, src=0, group=self.cpu_group)
+        with self.activity.collective():
+            dist.broadcast(buf, src=0, group=self.cpu_group)
         return obj if self.is_driver else pickle.loads(buf.numpy().tobytes())
 
 
@@ -128,10 +162,12 @@ def spawn_workers(world_size: int, worker_argv: list[str]) -> tuple[list[subproc
     return procs, beats
 
 
-def start_beating(interval: float = BEAT_S) -> None:
+def start_beating(activity: Activity, interval: float = BEAT_S) -> None:
     """A worker started by ``spawn_workers``: write a byte into the liveness pipe every
     ``interval`` s from a thread of its own, so that the driver notices a process that is
-    stopped (SIGSTOP, a debugger, a swapped-out host) even while no step runs. A no-op elsewhere."""
+    stopped (SIGSTOP, a debugger, a swapped-out host) even while no step runs; the byte says
+    whether the rank computed since its last beat or only waited in a collective
+    (``COMPUTING`` / ``WAITING``, from ``activity``). A no-op elsewhere."""
     fd = os.environ.pop(BEAT_ENV, None)
     if fd is None:
         return
@@ -139,7 +175,7 @@ def start_beating(interval: float = BEAT_S) -> None:
     def beat() -> None:
         while True:
             try:
-                os.write(int(fd), b".")
+                os.write(int(fd), COMPUTING if activity.computed() else WAITING)
             except OSError:  # the driver is gone
                 return
             time.sleep(interval)
@@ -147,11 +183,15 @@ def start_beating(interval: float = BEAT_S) -> None:
     threading.Thread(target=beat, name="fastdeploy-beat", daemon=True).start()
 
 
-def init_tensor_parallel(world_size: int, worker_argv: list[str] | None = None) -> TPGroup:
+def init_tensor_parallel(
+    world_size: int, worker_argv: list[str] | None = None, activity: Activity | None = None
+) -> TPGroup:
     """This process's TPGroup. Under paddle.distributed.launch the rank comes from its environment
-    (and the world size must match); otherwise the driver starts the other ranks itself."""
+    (and the world size must match); otherwise the driver starts the other ranks itself.
+    ``activity``: the one this rank's beats already read (a new one if None)."""
+    activity = activity or Activity()
     if world_size == 1:
-        return TPGroup()
+        return TPGroup(activity=activity)
     workers, beats = [], []
     if LAUNCH_ENV not in os.environ:
         workers, beats = spawn_workers(world_size, worker_argv or [])
@@ -163,4 +203,4 @@ def init_tensor_parallel(world_size: int, worker_argv: list[str] | None = None) 
     dist.init_parallel_env()
     # host arrays over gloo: on CPU the default group already is gloo (a second one only races)
     cpu = dist.new_group(list(range(world_size)), backend="gloo") if paddle.is_compiled_with_cuda() else None
-    return TPGroup(dist.get_rank(), world_size, None, cpu, workers, beats)
+    return TPGroup(dist.get_rank(), world_size, None, cpu, workers, beats, activity)

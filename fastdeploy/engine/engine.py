@@ -79,6 +79,7 @@ class LLMEngine:
                 pc.dist_timeout,
                 self._rank_failed,
                 beats=self.tp.beats,
+                driver_computed=self.tp.activity.computed,
             )
             atexit.register(self.shutdown)  # the workers end with this process
         sc = self.config.scheduler_config

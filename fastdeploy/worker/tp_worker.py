@@ -19,7 +19,7 @@ import threading
 import time
 
 from fastdeploy.config import FDConfig
-from fastdeploy.distributed.parallel import init_tensor_parallel, start_beating
+from fastdeploy.distributed.parallel import BEAT_S, Activity, init_tensor_parallel, start_beating
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger("fastdeploy")
@@ -48,8 +48,9 @@ def run_worker(fd: FDConfig, dtype: str, driver_pid: int | None = None) -> None:
     """Serve the driver's steps with the driver's config ``fd`` and model ``dtype``."""
     if driver_pid:
         threading.Thread(target=_exit_with_driver, args=(driver_pid,), daemon=True).start()
-    start_beating()
-    tp = init_tensor_parallel(fd.parallel_config.tensor_parallel_size)
+    activity = Activity()
+    start_beating(activity, min(BEAT_S, fd.parallel_config.dist_timeout / 4))
+    tp = init_tensor_parallel(fd.parallel_config.tensor_parallel_size, activity=activity)
     runner = GPUModelRunner(fd, dtype, tp)
     logger.info("tensor-parallel rank %d of %d ready", tp.rank, tp.world_size)
     runner.serve_steps()

@@ -198,6 +198,39 @@ def test_server_tp2_serves_like_tp1(procs):
     assert results[2] == results[1] and results[2][1] == 12
 
 
+LONG = """
+import json, sys, time
+from fastdeploy import LLM, SamplingParams
+a = json.loads(sys.argv[1])
+eng = LLM(**a["engine"]).engine
+eng.add_request(a["prompt"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "r")
+steps, tokens = [], None
+while eng.has_unfinished_requests():
+    t = time.monotonic()
+    tokens = [o.outputs[0].token_ids for o in eng.step()] or tokens
+    steps.append(time.monotonic() - t)
+print("RESULT " + json.dumps({"steps": steps, "tokens": tokens}))
+"""
+
+
+def test_a_long_step_whose_ranks_compute_does_not_stop_the_driver(rng):
+    """A 400-token prefill in the absorbed form takes seconds on CPU, several times
+    --dist-timeout (0.8 s here): the ranks beat that they compute, so the step is long, not
+    hung; it finishes with TP 1's tokens."""
+    timeout, prompt = 0.8, [int(x) for x in rng.integers(2, 500, 400)]
+    got = {}
+    for tp in (1, 2):
+        engine = {**KW, "max_model_len": 512, "max_num_batched_tokens": 512, "num_gpu_blocks_override": 96}
+        engine.update(tensor_parallel_size=tp, dist_timeout=timeout, mla_prefill_form="absorbed")
+        arg = json.dumps({"engine": engine, "prompt": prompt})
+        p = subprocess.run([sys.executable, "-c", LONG, arg], capture_output=True, text=True, timeout=300)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        assert p.returncode == 0 and line, p.stderr[-3000:]
+        got[tp] = json.loads(line[0][len("RESULT ") :])
+    assert max(got[2]["steps"]) > 2 * timeout  # the prefill step really outlasted the timeout
+    assert got[2]["tokens"] == got[1]["tokens"] and len(got[2]["tokens"][0]) == 3
+
+
 @pytest.mark.parametrize(
     "how, when",
     [
