@@ -108,6 +108,16 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def draft_room(self, max_model_len: int, new_tokens: int = 0) -> int:
+        """Drafts the next step could verify once ``new_tokens`` more are appended: a step
+        verifying m drafts adds up to m + 1 tokens, within max_tokens and max_model_len."""
+        left = min(self.sampling_params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens)
+        return max(0, left - new_tokens - 1)
+
+    def num_drafts(self, n: int) -> int:
+        """Drafts among the n tokens a step computes for this request: those past its own tokens."""
+        return max(0, min(n - (self.num_tokens - self.num_computed_tokens), len(self.draft_token_ids)))
+
     @property
     def group_key(self) -> str:
         return self.group if self.group is not None else self.request_id

@@ -21,7 +21,7 @@ from fastdeploy.input.grammar import GrammarEngine
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
 from fastdeploy.request import Request, RequestOutput
 from fastdeploy.sampling_params import SamplingParams
-from fastdeploy.scheduler.scheduler import Scheduler, num_drafts
+from fastdeploy.scheduler.scheduler import Scheduler
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 from fastdeploy.worker.tp_worker import encode_config
 
@@ -215,7 +215,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         self.preempted_log.extend(sched.preempted)
-        drafts = [num_drafts(req, n) for req, n in sched.scheduled]  # before the runner proposes new ones
+        drafts = [req.num_drafts(n) for req, n in sched.scheduled]  # before the runner proposes new ones
         try:
             results = self.runner.execute(sched.scheduled)
         except Exception:  # noqa: BLE001 - pinned to requests below; the engine keeps serving

@@ -19,18 +19,6 @@ from fastdeploy.config import SchedulerConfig
 from fastdeploy.request import Request, RequestStatus
 
 
-def draft_room(req: Request, max_model_len: int, new_tokens: int = 0) -> int:
-    """Drafts the request's next step could verify once ``new_tokens`` more are appended: a step
-    verifying m drafts adds up to m + 1 tokens, within max_tokens and max_model_len."""
-    left = min(req.sampling_params.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens)
-    return max(0, left - new_tokens - 1)
-
-
-def num_drafts(req: Request, n: int) -> int:
-    """Drafts among the n tokens a step computes for ``req``: those past its own tokens."""
-    return max(0, min(n - (req.num_tokens - req.num_computed_tokens), len(req.draft_token_ids)))
-
-
 @dataclass
 class SchedulerOutput:
     """Requests of one step and how many new tokens each computes."""
@@ -87,7 +75,7 @@ class Scheduler:
             if (
                 req.num_tokens - req.num_computed_tokens == 1 and req.draft_token_ids
             ):  # verify drafts (docs/design.md §4.16)
-                m = min(len(req.draft_token_ids), draft_room(req, self.config.max_model_len), budget - 1)
+                m = min(len(req.draft_token_ids), req.draft_room(self.config.max_model_len), budget - 1)
                 del req.draft_token_ids[m:]
                 n += m
             extra = self.lookahead and min(self.lookahead, self.config.max_model_len - req.num_computed_tokens - n)

@@ -26,12 +26,11 @@ from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
 from fastdeploy.model_executor.layers.linear import captured_gemms
 from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.model_executor.load_weight_utils import load_weights, parameter_bytes
-from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitmask
 from fastdeploy.request import Request
-from fastdeploy.scheduler.scheduler import draft_room, num_drafts
 from fastdeploy.worker.decode_graphs import DecodeGraphs
+from fastdeploy.worker.speculation import MTPProposer, verify_drafts
 
 logger = logging.getLogger("fastdeploy")
 
@@ -111,36 +110,6 @@ def num_blocks_for(fd: FDConfig, specs: Sequence[KVSpec]) -> dict[str, int]:
     return plan_kv_blocks(fd, per_block, pool_budget(kv_budget_bytes(fd), per_block))
 
 
-def verify_drafts(
-    sampler: DeviceSampler, logits: paddle.Tensor, reqs: list[Request], first: Sequence[int], drafts: list[list[int]]
-) -> list[list[SampleResult] | Exception]:
-    """Sample each request's rows in order (row j of request b is logits[first[b] + j], the
-    target's distribution after its j-th draft), accepting while the sample equals the draft
-    (docs/design.md §4.16). Drafts are the draft model's arg-max, a one-hot proposal, so this is
-    rejection sampling (Leviathan et al.): a draft d is kept with probability p(d), and a
-    rejected one's replacement is drawn from p without d, renormalised. Each row samples as
-    the request's next token would without speculation (seed step, penalties, min_tokens)."""
-    out: list[list[SampleResult] | Exception] = [[] for _ in reqs]
-    live = list(range(len(reqs)))
-    for j in range(1 + max(len(d) for d in drafts)):
-        if not live:
-            break
-        idx = paddle.to_tensor([int(first[b]) + j for b in live], dtype="int64")
-        pending = [[r.token_id for r in out[b]] for b in live]
-        rows = logits if j == 0 and len(live) == logits.shape[0] else logits[idx]
-        nxt = []
-        for b, r in zip(live, sampler.sample(rows, [reqs[b] for b in live], pending), strict=True):
-            if isinstance(r, Exception):
-                if not out[b]:  # else the tokens accepted before it stand
-                    out[b] = r
-                continue
-            out[b].append(r)
-            if j < len(drafts[b]) and r.token_id == drafts[b][j]:
-                nxt.append(b)
-        live = nxt
-    return out
-
-
 class GPUModelRunner:
     """One rank's model and KV caches. The driver (rank 0) schedules and samples; under tensor
     parallelism it broadcasts each step's host arrays and every rank runs the same step."""
@@ -153,17 +122,13 @@ class GPUModelRunner:
         self.model = DeepseekV3ForCausalLM(mc, self.dtype, fd_config.kernel_config, self.tp, fd_config.cache_config)
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, mc.num_hidden_layers, self.tp.is_driver)
-        self.spec_k = fd_config.speculative_config.k
-        self.mtp: DeepseekV3MTP | None = None  # the draft model (docs/design.md §4.16)
-        if self.spec_k:
-            kv_dtype = fd_config.cache_config.kv_cache_dtype
-            self.mtp = DeepseekV3MTP(mc, self.dtype, fd_config.kernel_config, self.model, self.tp, kv_dtype)
-            self.mtp.eval()
-            self.bytes_loaded += load_weights(self.mtp, mc.model_dir, None, self.tp.is_driver)
-        self.last_step: tuple | None = None  # (step, meta, hidden) of the latest step, for the draft pass
+        self.spec: MTPProposer | None = None  # the draft model (docs/design.md §4.16)
+        if fd_config.speculative_config.k:
+            self.spec = MTPProposer(fd_config, self.dtype, self.model, self.tp)
+            self.bytes_loaded += self.spec.bytes_loaded
         self.weight_bytes = parameter_bytes(self.model)
-        if self.mtp is not None:
-            for k, v in parameter_bytes(self.mtp).items():
+        if self.spec is not None:
+            for k, v in parameter_bytes(self.spec.model).items():
                 self.weight_bytes[k] = self.weight_bytes.get(k, 0) + v
         logger.info(
             "weights on rank %d: %.1f MiB (%s; quantization %s)",
@@ -175,7 +140,7 @@ class GPUModelRunner:
         self.block_size = fd_config.cache_config.block_size
         backends = self.model.attention_backends()
         kinds = {b.kind for b in backends}
-        backends += [b for b in (self.mtp.attention_backends() if self.mtp else []) if b.kind not in kinds]
+        backends += [b for b in (self.spec.model.attention_backends() if self.spec else []) if b.kind not in kinds]
         self.meta_builder = ForwardMetaBuilder(self.block_size, backends, fd_config.kernel_config)
         self.step_started: float | None = None
         self.kv_specs = layer_kv_specs(mc, fd_config.cache_config, self.dtype)
@@ -194,7 +159,7 @@ class GPUModelRunner:
         sc = self.fd.scheduler_config
         if not sc.cuda_graph_capture or sc.enforce_eager or not sc.cuda_graph_batch_sizes:
             return None
-        if self.spec_k:
+        if self.spec is not None:
             logger.warning("cuda_graph_capture is off under speculative decoding: decode steps run eagerly")
             return None
         layers = self.caches[: self.fd.model_config.num_hidden_layers]
@@ -242,7 +207,7 @@ class GPUModelRunner:
         ids, enc, dec, sample_rows, row = [], [], [], [], 0
         tables: dict[str, list[list[int]]] = {g: [] for g in self.num_blocks}
         for req, n in scheduled:
-            start, m = req.num_computed_tokens, num_drafts(req, n)
+            start, m = req.num_computed_tokens, req.num_drafts(n)
             ids.extend(req.all_token_ids[start : start + n - m] + req.draft_token_ids[:m])
             is_decode = n == 1 and req.output_token_ids and start == req.num_tokens - 1
             enc.append(0 if is_decode else n)
@@ -255,7 +220,7 @@ class GPUModelRunner:
         samples_at = [
             i
             for i, (req, n) in enumerate(scheduled)
-            if req.num_computed_tokens + n - num_drafts(req, n) == req.num_tokens
+            if req.num_computed_tokens + n - req.num_drafts(n) == req.num_tokens
         ]
         lp_rows, lp_targets, lp_k, row = [], [], 0, 0
         for req, n in scheduled:
@@ -295,8 +260,8 @@ class GPUModelRunner:
             step["input_ids"], step["seq_lens_encoder"], step["seq_lens_decoder"], step["block_tables"]
         )
         hidden = self.model(meta, self.caches[: self.fd.model_config.num_hidden_layers])
-        if self.mtp is not None:
-            self.last_step = (step, meta, hidden)
+        if self.spec is not None:
+            self.spec.remember(step, meta, hidden)
         lp = step.get("prompt_logprobs")
         prompt = self.prompt_logprobs(hidden, **lp) if lp and lp["rows"] else None
         if not step["samples_at"]:
@@ -364,72 +329,25 @@ class GPUModelRunner:
             drafts = [r.draft_token_ids[: n - 1] for r, n in zip(reqs, rows, strict=True)]
             for i, r in zip(step["samples_at"], verify_drafts(self.sampler, logits, reqs, first, drafts), strict=True):
                 results[i] = r
-            if self.mtp is not None:
-                self.propose_drafts(step, scheduled, results)
+            if self.spec is not None:
+                self.propose_drafts(scheduled, results)
             return results
         finally:
             self.step_started = None
 
     def propose_drafts(
-        self, step: dict, scheduled: list[tuple[Request, int]], results: list[list[SampleResult] | Exception | None]
+        self, scheduled: list[tuple[Request, int]], results: list[list[SampleResult] | Exception | None]
     ) -> None:
-        """The driver: ask every rank to run the draft model over this step (``draft``), and set
-        each sampled request's ``draft_token_ids``. A request drafts from the row of its last
-        accepted token; it gets no drafts under a structured-output grammar (its tokens must be
-        masked one by one) or without room for them."""
-        next_ids = [0] * len(step["input_ids"])
-        rows, batch, pos, depth, drafting = [], [], [], [], []
-        row, max_len = 0, self.fd.scheduler_config.max_model_len
-        for b, ((req, n), res) in enumerate(zip(scheduled, results, strict=True)):
-            start = req.num_computed_tokens
-            seq = req.all_token_ids + ([r.token_id for r in res] if isinstance(res, list) else [])
-            for i in range(n):  # the token after each row's position, where known
-                if start + i + 1 < len(seq):
-                    next_ids[row + i] = seq[start + i + 1]
-            if isinstance(res, list) and req.matcher is None:
-                p = len(seq) - 2  # the last accepted token's position
-                room = min(self.spec_k, draft_room(req, max_len, len(res)))
-                covered = len(req.block_tables[next(iter(self.num_blocks))]) * self.block_size
-                d = min(room, covered - p)
-                if d > 0:
-                    rows.append(row + p - start)
-                    batch.append(b)
-                    pos.append(p)
-                    depth.append(d)
-                    drafting.append(req)
-            row += n
-        msg = {"draft": {"next_ids": next_ids, "rows": rows, "batch": batch, "pos": pos, "depth": depth}}
-        proposed = self.draft(self.tp.broadcast_object(msg)["draft"])
-        for req, _ in scheduled:
-            req.draft_token_ids = []
-        for req, d, toks in zip(drafting, depth, proposed, strict=True):
-            req.draft_token_ids = [int(t) for t in toks[:d]]
+        """The driver: every rank runs the draft pass over this step; each sampled request gets
+        its next ``draft_token_ids`` (``MTPProposer``)."""
+        group = next(iter(self.num_blocks))
+        msg, drafting = self.spec.plan(scheduled, results, lambda r: len(r.block_tables[group]) * self.block_size)
+        proposed = self.draft(self.tp.broadcast_object({"draft": msg})["draft"])
+        self.spec.take(scheduled, drafting, msg["depth"], proposed)
 
     def draft(self, msg: dict) -> np.ndarray:
-        """Every rank: the draft model over the latest step (its meta and the target's hidden
-        states), each row reading the token after it (``next_ids``); then for each drafting
-        request (``rows``: its row of the step, ``pos``: that row's position) ``depth`` - 1 more
-        one-token passes on its own drafts at positions pos + 1, ... (their KV is rewritten when
-        the target computes those positions). Arg-max drafts int64 [D, k], -1 past a request's depth."""
-        step, meta, hidden = self.last_step
-        cache = self.caches[self.fd.model_config.num_hidden_layers]
-        out = np.full((len(msg["rows"]), self.spec_k), -1, np.int64)
-        if not msg["rows"]:
-            return out
-        x = self.mtp(paddle.to_tensor(msg["next_ids"], dtype="int64"), hidden, meta, cache)
-        rows = paddle.to_tensor(msg["rows"], dtype="int64")
-        out[:, 0] = paddle.argmax(self.mtp.compute_logits(x, rows), axis=1).numpy()
-        x, live = x[rows], list(range(len(rows)))
-        for j in range(1, max(msg["depth"])):
-            keep = [i for i, li in enumerate(live) if msg["depth"][li] > j]
-            live = [live[i] for i in keep]
-            x = x[paddle.to_tensor(keep, dtype="int64")]
-            tables = {g: [t[msg["batch"][li]] for li in live] for g, t in step["block_tables"].items()}
-            pos = [msg["pos"][li] + j for li in live]
-            meta = self.meta_builder.build(out[live, j - 1], [0] * len(live), pos, tables)
-            x = self.mtp(paddle.to_tensor(out[live, j - 1]), x, meta, cache)
-            out[live, j] = paddle.argmax(self.mtp.compute_logits(x, paddle.arange(len(live))), axis=1).numpy()
-        return out
+        """Every rank: ``MTPProposer.draft`` over the latest step, on the MTP layer's cache."""
+        return self.spec.draft(msg, self.caches[self.fd.model_config.num_hidden_layers], self.meta_builder)
 
     @staticmethod
     def record_prompt_logprobs(scheduled: list[tuple[Request, int]], prompt: tuple[np.ndarray, ...]) -> None:

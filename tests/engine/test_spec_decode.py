@@ -14,7 +14,7 @@ from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
 from fastdeploy.model_executor.layers.sampler import adjusted_logits, kept_mask
 from fastdeploy.request import Request
-from fastdeploy.worker.gpu_model_runner import verify_drafts
+from fastdeploy.worker.speculation import verify_drafts
 
 W, BS = 32, 16
 

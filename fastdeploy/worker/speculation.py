@@ -1,0 +1,135 @@
+"""Speculative decoding with DeepSeek-V3's MTP layer (docs/design.md §4.16): the draft model's
+proposals after each step (``MTPProposer``) and the target's verification of them
+(``verify_drafts``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import paddle
+
+from fastdeploy.config import FDConfig
+from fastdeploy.distributed.parallel import TPGroup
+from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
+from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
+from fastdeploy.model_executor.layers.sampler import SampleResult
+from fastdeploy.model_executor.load_weight_utils import load_weights
+from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
+from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
+from fastdeploy.request import Request
+
+Results = list[list[SampleResult] | Exception | None]
+
+
+def verify_drafts(
+    sampler: DeviceSampler, logits: paddle.Tensor, reqs: list[Request], first: Sequence[int], drafts: list[list[int]]
+) -> list[list[SampleResult] | Exception]:
+    """Sample each request's rows in order (row j of request b is logits[first[b] + j], the
+    target's distribution after its j-th draft), accepting while the sample equals the draft
+    (docs/design.md §4.16). Drafts are the draft model's arg-max, a one-hot proposal, so this is
+    rejection sampling (Leviathan et al.): a draft d is kept with probability p(d), and a
+    rejected one's replacement is drawn from p without d, renormalised. Each row samples as
+    the request's next token would without speculation (seed step, penalties, min_tokens)."""
+    out: list[list[SampleResult] | Exception] = [[] for _ in reqs]
+    live = list(range(len(reqs)))
+    for j in range(1 + max(len(d) for d in drafts)):
+        if not live:
+            break
+        idx = paddle.to_tensor([int(first[b]) + j for b in live], dtype="int64")
+        pending = [[r.token_id for r in out[b]] for b in live]
+        rows = logits if j == 0 and len(live) == logits.shape[0] else logits[idx]
+        nxt = []
+        for b, r in zip(live, sampler.sample(rows, [reqs[b] for b in live], pending), strict=True):
+            if isinstance(r, Exception):
+                if not out[b]:  # else the tokens accepted before it stand
+                    out[b] = r
+                continue
+            out[b].append(r)
+            if j < len(drafts[b]) and r.token_id == drafts[b][j]:
+                nxt.append(b)
+        live = nxt
+    return out
+
+
+class MTPProposer:
+    """The draft model on one rank. ``remember`` keeps the latest step (its host arrays, meta and
+    hidden states); the driver's ``plan`` says which requests draft and how deep, every rank's
+    ``draft`` runs the passes, and the driver's ``take`` gives each request its drafts."""
+
+    def __init__(self, fd: FDConfig, dtype: str, target: DeepseekV3ForCausalLM, tp: TPGroup) -> None:
+        mc = fd.model_config
+        self.k, self.max_model_len = fd.speculative_config.k, fd.scheduler_config.max_model_len
+        self.model = DeepseekV3MTP(mc, dtype, fd.kernel_config, target, tp, fd.cache_config.kv_cache_dtype)
+        self.model.eval()
+        self.bytes_loaded = load_weights(self.model, mc.model_dir, None, tp.is_driver)
+        self.last_step: tuple[dict, ForwardMeta, paddle.Tensor] | None = None
+
+    def remember(self, step: dict, meta: ForwardMeta, hidden: paddle.Tensor) -> None:
+        self.last_step = (step, meta, hidden)
+
+    def plan(
+        self, scheduled: list[tuple[Request, int]], results: Results, covered: Callable[[Request], int]
+    ) -> tuple[dict, list[Request]]:
+        """The driver, after the latest step: the draft message every rank runs, and the
+        requests that draft. A request drafts from the row of its last accepted token, as deep
+        as ``k``, its room (max_tokens, max_model_len) and its blocks (``covered``: the tokens
+        its tables hold) allow; never under a structured-output grammar (its tokens are masked
+        one by one)."""
+        step = self.last_step[0]
+        next_ids = [0] * len(step["input_ids"])
+        rows, batch, pos, depth, drafting = [], [], [], [], []
+        row = 0
+        for b, ((req, n), res) in enumerate(zip(scheduled, results, strict=True)):
+            start = req.num_computed_tokens
+            seq = req.all_token_ids + ([r.token_id for r in res] if isinstance(res, list) else [])
+            for i in range(n):  # the token after each row's position, where known
+                if start + i + 1 < len(seq):
+                    next_ids[row + i] = seq[start + i + 1]
+            if isinstance(res, list) and req.matcher is None:
+                p = len(seq) - 2  # the last accepted token's position
+                d = min(self.k, req.draft_room(self.max_model_len, len(res)), covered(req) - p)
+                if d > 0:
+                    rows.append(row + p - start)
+                    batch.append(b)
+                    pos.append(p)
+                    depth.append(d)
+                    drafting.append(req)
+            row += n
+        return {"next_ids": next_ids, "rows": rows, "batch": batch, "pos": pos, "depth": depth}, drafting
+
+    def draft(self, msg: dict, cache: paddle.Tensor, builder: ForwardMetaBuilder) -> np.ndarray:
+        """Every rank: the draft model over the latest step (its meta and the target's hidden
+        states), each row reading the token after it (``next_ids``); then for each drafting
+        request (``rows``: its row of the step, ``pos``: that row's position) ``depth`` - 1 more
+        one-token passes on its own drafts at positions pos + 1, ... (their KV is rewritten when
+        the target computes those positions). Arg-max drafts int64 [D, k], -1 past a request's depth."""
+        step, meta, hidden = self.last_step
+        out = np.full((len(msg["rows"]), self.k), -1, np.int64)
+        if not msg["rows"]:
+            return out
+        x = self.model(paddle.to_tensor(msg["next_ids"], dtype="int64"), hidden, meta, cache)
+        rows = paddle.to_tensor(msg["rows"], dtype="int64")
+        out[:, 0] = paddle.argmax(self.model.compute_logits(x, rows), axis=1).numpy()
+        x, live = x[rows], list(range(len(rows)))
+        for j in range(1, max(msg["depth"])):
+            keep = [i for i, li in enumerate(live) if msg["depth"][li] > j]
+            live = [live[i] for i in keep]
+            x = x[paddle.to_tensor(keep, dtype="int64")]
+            tables = {g: [t[msg["batch"][li]] for li in live] for g, t in step["block_tables"].items()}
+            pos = [msg["pos"][li] + j for li in live]
+            meta = builder.build(out[live, j - 1], [0] * len(live), pos, tables)
+            x = self.model(paddle.to_tensor(out[live, j - 1]), x, meta, cache)
+            out[live, j] = paddle.argmax(self.model.compute_logits(x, paddle.arange(len(live))), axis=1).numpy()
+        return out
+
+    @staticmethod
+    def take(
+        scheduled: list[tuple[Request, int]], drafting: list[Request], depth: list[int], proposed: np.ndarray
+    ) -> None:
+        """The driver: each drafting request's first ``depth`` proposals become its drafts; every
+        other scheduled request has none."""
+        for req, _ in scheduled:
+            req.draft_token_ids = []
+        for req, d, toks in zip(drafting, depth, proposed, strict=True):
+            req.draft_token_ids = [int(t) for t in toks[:d]]
