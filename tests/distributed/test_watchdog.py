@@ -113,3 +113,87 @@ def test_a_long_step_is_hung_only_once_no_rank_computes():
         thread.join(1)
         os.close(rd)
         os.close(wr)
+
+
+class Proc:
+    """A worker process as the watchdog sees it: ``poll`` gives its exit status, None while it runs."""
+
+    def __init__(self, status=None):
+        self.returncode = status
+
+    def poll(self):
+        return self.returncode
+
+
+def test_an_exited_rank_is_named_and_a_running_one_is_not():
+    failures = []
+    dog = RankWatchdog([Proc(), Proc()], lambda: None, 5.0, failures.append)  # the default poll interval
+    try:
+        time.sleep(0.5)
+        assert failures == []  # both run
+        dog.workers[1].returncode = -9
+        t0 = time.monotonic()
+        while not failures and time.monotonic() - t0 < 3:
+            time.sleep(0.02)
+        assert time.monotonic() - t0 < 0.45  # found within one default poll (0.2 s) and some slack
+        assert failures == ["tensor-parallel rank 2 exited with status -9"]
+    finally:
+        dog.stop()
+
+
+def test_the_timeouts_start_after_exactly_dist_timeout():
+    """``check`` at given times (the watchdog's own thread polls once an hour here): silent for
+    exactly the timeout is not yet a failure, a moment more is; the messages in full."""
+    rd, wr = os.pipe()
+    os.set_blocking(rd, False)
+    try:
+        dog = RankWatchdog([], lambda: None, 2.0, lambda why: None, interval=3600, beats=[rd])
+        t0 = dog.last_beat[0]
+        assert dog.check(t0 + 2.0) is None
+        assert dog.check(t0 + 2.001) == (
+            "tensor-parallel rank 1 sent no liveness beat for over 2 s (stopped or hung; --dist-timeout)"
+        )
+        dog.stop()
+        started = time.monotonic()
+        dog = RankWatchdog([], lambda: started, 2.0, lambda why: None, interval=3600)
+        assert dog.check(started + 2.0) is None
+        assert dog.check(started + 2.001) == (
+            "every rank of a step has waited in a collective for over 2 s, none computing "
+            "(a rank stopped answering; --dist-timeout)"
+        )
+        dog.stop()
+    finally:
+        os.close(rd)
+        os.close(wr)
+
+
+def test_a_computing_driver_without_beats_keeps_a_long_step_alive():
+    """Ranks a launcher started send no beats: the driver's own state is the only one."""
+    state = {"computing": True}
+    failures = []
+    started = time.monotonic()
+    dog = RankWatchdog(
+        [], lambda: started, 0.3, failures.append, interval=0.05, driver_computed=lambda: state["computing"]
+    )
+    try:
+        time.sleep(0.8)
+        assert failures == []
+        state["computing"] = False
+        time.sleep(0.6)
+        assert len(failures) == 1 and "every rank" in failures[0]
+    finally:
+        dog.stop()
+
+
+def test_a_watchdog_never_keeps_the_process_alive():
+    """A process that exits without stopping its watchdog exits at once (the thread is a daemon)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from fastdeploy.distributed.watchdog import RankWatchdog\n"
+        "RankWatchdog([], lambda: None, 60.0, print, interval=0.05)\n"
+    )
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], timeout=20, capture_output=True)
+    assert p.returncode == 0 and time.monotonic() - t0 < 15

@@ -160,41 +160,102 @@ def refuse(what):
 
 class NoHostSync:
     """Inside it, a paddle tensor converted to the host raises (numpy, item, tolist, truth value,
-    int, float); with ``uploads`` a host-to-device copy (``paddle.to_tensor``) raises too, which
-    a CUDA-graph capture cannot hold either."""
+    int, float), and so does every op whose output shape depends on the data (nonzero, unique,
+    masked_select, a boolean mask as an index): a CUDA build needs the count on the host, and a
+    captured graph would keep the count of its capture. With ``uploads`` a host-to-device copy
+    (``paddle.to_tensor``) raises too, which a CUDA-graph capture cannot hold either."""
 
     names = ("numpy", "item", "tolist", "__bool__", "__int__", "__float__", "__array__")
+    shaped = ("nonzero", "unique", "masked_select")
 
     def __init__(self, uploads=False):
         self.uploads = uploads
 
     def __enter__(self):
-        self.saved = {n: getattr(paddle.Tensor, n) for n in self.names}
+        self.saved = {n: getattr(paddle.Tensor, n) for n in self.names + self.shaped + ("__getitem__",)}
+        self.ops = {n: getattr(paddle, n) for n in self.shaped}
         self.to_tensor = paddle.to_tensor
         for n in self.names:
             setattr(paddle.Tensor, n, refuse(f"host sync, Tensor.{n}"))
+        for n in self.shaped:
+            setattr(paddle.Tensor, n, refuse(f"data-dependent shape, Tensor.{n}"))
+            setattr(paddle, n, refuse(f"data-dependent shape, paddle.{n}"))
+        getitem = self.saved["__getitem__"]
+
+        def getitem_guarded(x, index):
+            parts = index if isinstance(index, tuple) else (index,)
+            if any(isinstance(p, paddle.Tensor) and p.dtype == paddle.bool for p in parts):
+                raise AssertionError("inside the decode step: data-dependent shape, a boolean mask as an index")
+            return getitem(x, index)
+
+        paddle.Tensor.__getitem__ = getitem_guarded
         if self.uploads:
             paddle.to_tensor = refuse("upload, paddle.to_tensor")
 
     def __exit__(self, *exc):
         for n, f in self.saved.items():
             setattr(paddle.Tensor, n, f)
+        for n, f in self.ops.items():
+            setattr(paddle, n, f)
         paddle.to_tensor = self.to_tensor
 
 
-@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
-def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch, capture):
+def test_the_guard_refuses_data_dependent_shapes():
+    x = paddle.to_tensor(np.array([3, -1, 5], np.int32))
+    for op in (
+        lambda: paddle.nonzero(x >= 0),
+        lambda: x.nonzero(),
+        lambda: paddle.unique(x),
+        lambda: paddle.masked_select(x, x >= 0),
+        lambda: x[x >= 0],
+        lambda: x.numpy(),
+    ):
+        with NoHostSync(), pytest.raises(AssertionError, match="inside the decode step"):
+            op()
+    with NoHostSync():
+        y = paddle.where(x >= 0, x, paddle.zeros_like(x))[paddle.to_tensor(np.array([0, 2]))]
+    assert y.numpy().tolist() == [3, 5]
+
+
+@pytest.mark.parametrize(
+    "capture, provider, kv_cache_dtype",
+    [
+        (False, "triton", "auto"),
+        (True, "triton", "auto"),  # full layers' latent cache in the model dtype
+        (True, "triton", "fp8"),
+        (True, "reference", "auto"),
+        (True, "flashmla", "bf16"),  # FlashMLA's dense decode over a bf16 latent cache: the GPU default
+        (True, "flashmla", "fp8"),
+    ],
+    ids=[
+        "eager",
+        "captured-triton-latent",
+        "captured-triton-fp8",
+        "captured-reference",
+        "captured-flashmla-bf16",
+        "captured-flashmla-fp8",
+    ],
+)
+def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch, capture, provider, kv_cache_dtype):
     """Steady padded decode steps with the Triton kernels (interpreter): the forward and the
-    sampler's device op run with every tensor-to-host conversion raising. Captured: the whole
-    captured step (inputs out of the step buffer, the step's ForwardMeta and plans, the model, the
-    LM head) runs with host copies and uploads raising."""
+    sampler's device op run with every tensor-to-host conversion and every data-dependent shape
+    raising. Captured: the whole captured step (inputs out of the step buffer, the step's
+    ForwardMeta and plans, the model, the LM head) runs with host copies and uploads raising, for
+    each sparse MLA provider (FlashMLA: its stand-in) and both full-layer cache formats."""
+    import sys
+
+    from fake_flash_mla import fake_flash_mla
+
     from fastdeploy.model_executor.layers import device_sampler
 
+    monkeypatch.setitem(sys.modules, "flash_mla", fake_flash_mla([]))
     eng = LLM(
         tiny_model_dir,
         block_size=16,
         max_num_seqs=4,
         kernel_backend="triton",
+        sparse_mla_provider=provider,
+        kv_cache_dtype=kv_cache_dtype,
         cuda_graph_batch_sizes="4",
         cuda_graph_capture=capture,
     ).engine

@@ -167,4 +167,4 @@ def test_flashmla_head_limit(rng, monkeypatch):
     with pytest.raises(ValueError, match="128 heads"):
         sm.sparse_mla_attention(q, cache, paddle.to_tensor(idx), SCALE, provider="flashmla")
     assert calls == []
-    assert sm.topk_multiple("flashmla", True) == 128 and sm.topk_multiple("triton", True) == 1
+    assert sm.PROVIDERS["flashmla"].topk_multiple(True) == 128 and sm.PROVIDERS["triton"].topk_multiple(True) == 1

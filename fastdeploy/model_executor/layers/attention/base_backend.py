@@ -24,6 +24,7 @@ import paddle
 
 from fastdeploy.config import CacheConfig, KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
+from fastdeploy.model_executor.layers.attention.sparse_mla_providers import provider_for
 from fastdeploy.model_executor.layers.attention.step_plan import StepPlan, TokenGroup
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import (
     RECORD_BYTES,
@@ -76,6 +77,7 @@ class MLABackendBase:
     def __init__(self, softmax_scale: float, kernels: KernelConfig, num_heads: int, model_dtype: str) -> None:
         self.softmax_scale = softmax_scale
         self.kernels = kernels
+        self.provider = provider_for(kernels)  # the sparse MLA provider of absorbed attention
         self.num_heads = num_heads
         self.model_dtype = model_dtype
         self.mla_prefill = mla_prefill_attention if kernels.triton else mla_prefill_ref
@@ -113,8 +115,8 @@ class MLABackendBase:
     def absorbed_dtype(self, model_dtype: paddle.dtype) -> str:
         """bf16 for kernels; a float32 CPU model on the reference provider keeps float32, so the
         attention adds no rounding beyond the cache's."""
-        reference = self.kernels.sparse_mla_provider == "reference"
-        return "float32" if reference and model_dtype == paddle.float32 else "bfloat16"
+        keep = self.provider.keeps_float32
+        return "float32" if keep and model_dtype == paddle.float32 else "bfloat16"
 
     def forward(
         self,

@@ -22,11 +22,7 @@ import paddle
 from fastdeploy.config import SWA_GROUP, CacheConfig, KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.base_backend import KVSpec, MLABackendBase, record_writer
-from fastdeploy.model_executor.layers.attention.sparse_mla_providers import (
-    flashmla_schedule,
-    sparse_mla_attention,
-    step_topk_multiple,
-)
+from fastdeploy.model_executor.layers.attention.sparse_mla_providers import provider_for, sparse_mla_attention
 from fastdeploy.model_executor.layers.attention.step_plan import (
     StepPlan,
     TokenGroup,
@@ -55,14 +51,16 @@ class DSAAttentionBackend(MLABackendBase):
         return KVSpec.records(SWA_GROUP)
 
     def plan_step(self, meta: ForwardMeta) -> StepPlan:
-        provider = self.kernels.sparse_mla_provider
-        groups = plan_groups(meta, self.sliding_window, SWA_GROUP, self.kernels, self.num_heads)
+        provider = self.provider
+        groups = plan_groups(
+            meta, self.sliding_window, SWA_GROUP, provider, self.kernels.mla_prefill_form, self.num_heads
+        )
         plan = StepPlan(groups, provider)
         if any(g.form != "mha" for g in groups):
-            topk = round_up(self.sliding_window, step_topk_multiple(provider))
+            topk = round_up(self.sliding_window, provider.step_topk_multiple)
             plan.indices = window_indices(meta, SWA_GROUP, None, self.sliding_window, topk, self.kernels.triton)
-        if provider == "flashmla" and any(g.form == "decode" for g in groups):
-            plan.schedule = flashmla_schedule()
+        if any(g.form == "decode" for g in groups):
+            plan.schedule = provider.decode_schedule()
         return plan
 
     def write_cache(self, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> None:
@@ -104,16 +102,17 @@ class DSAAttentionBackend(MLABackendBase):
 
         With ``compressed_kv`` [T, 512] and ``k_pe`` [T, 64] it first writes their records at the
         step's SWA slots (the backend's forward has written them already and passes None).
-        ``is_prefill`` None: q holds every token of the step, and for FlashMLA the decode rows
-        (requests with seq_lens_encoder 0) and the prefill rows run in its two kernels, heads
-        padded to 64 / 128; a bool: every row is of that kind (one of the step plan's groups).
+        ``is_prefill`` None: q holds every token of the step, and a provider that splits decodes
+        from prefills (``split_decode``: FlashMLA, heads padded to 64 / 128) runs the decode rows
+        (requests with seq_lens_encoder 0) and the prefill rows in its two kernels; a bool: every
+        row is of that kind (one of the step plan's groups).
         ``schedule``: FlashMLA's decode schedule for the step (None: made here)."""
         kernels = forward_meta.kernels
         if compressed_kv is not None:
             record_writer(kernels)(compressed_kv, k_pe, forward_meta.slot_mapping[SWA_GROUP], latent_cache)
         T, H = q.shape[0], q.shape[1]
         idx = indexer_topk.reshape([T, -1])
-        provider = kernels.sparse_mla_provider
+        provider = provider_for(kernels)
 
         def attend(rows_q, rows_idx, prefill):
             out, _ = sparse_mla_attention(
@@ -121,7 +120,7 @@ class DSAAttentionBackend(MLABackendBase):
             )
             return out
 
-        if is_prefill is not None or provider != "flashmla":
+        if is_prefill is not None or not provider.split_decode:
             return attend(q, idx, bool(is_prefill)).reshape([T, H * 512])
         decode = forward_meta.seq_lens_encoder[forward_meta.host_batch_id] == 0
         out = paddle.zeros([T, H, 512], q.dtype)

@@ -17,13 +17,8 @@ import paddle
 from fastdeploy.config import FULL_GROUP, CacheConfig, KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.base_backend import KVSpec, MLABackendBase
-from fastdeploy.model_executor.layers.attention.sparse_mla_providers import (
-    flashmla_schedule,
-    sparse_mla_attention,
-    step_topk_multiple,
-)
+from fastdeploy.model_executor.layers.attention.sparse_mla_providers import DenseDecode, sparse_mla_attention
 from fastdeploy.model_executor.layers.attention.step_plan import (
-    DenseDecode,
     StepPlan,
     TokenGroup,
     plan_groups,
@@ -52,9 +47,9 @@ class MLAAttentionBackend(MLABackendBase):
         return KVSpec.latent(FULL_GROUP, "bfloat16" if cache_config.kv_cache_dtype == "bf16" else self.model_dtype)
 
     def plan_step(self, meta: ForwardMeta) -> StepPlan:
-        provider = self.kernels.sparse_mla_provider
-        groups = plan_groups(meta, 0, FULL_GROUP, self.kernels, self.num_heads)
-        dense = provider == "flashmla" and self.cache_spec.dtype == "bfloat16"
+        provider = self.provider
+        groups = plan_groups(meta, 0, FULL_GROUP, provider, self.kernels.mla_prefill_form, self.num_heads)
+        dense = provider.dense_decode(self.cache_spec.dtype)
         plan = StepPlan(groups, provider)
         for g in groups:
             if g.form == "mha":
@@ -66,21 +61,23 @@ class MLAAttentionBackend(MLABackendBase):
                 g.dense_decode = DenseDecode(table, (pos + 1).astype("int32"))
             else:
                 longest = int((meta.seq_lens_decoder[g.requests] + meta.seq_lens_this_time[g.requests]).max())
-                topk = round_up(longest, step_topk_multiple(provider))
+                topk = round_up(longest, provider.step_topk_multiple)
                 g.indices = window_indices(meta, FULL_GROUP, g.tokens, longest, topk, self.kernels.triton)
-        if provider == "flashmla" and any(g.form == "decode" for g in groups):
-            plan.schedule = flashmla_schedule()
+        if any(g.form == "decode" for g in groups):
+            plan.schedule = provider.decode_schedule()
         return plan
 
     def write_cache(self, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> None:
-        """Store each token's [kv_c | k_pe] at its slot (slot -1 skips), in the cache's format."""
+        """Store each token's [kv_c | k_pe] at its slot, in the cache's format: FP8 records
+        (slot -1 skips), or latent rows, every row written (a static shape, as a captured step
+        needs) with slot -1 rows in the cache's last slot, the null block's (no pool hands it out)."""
         slots = meta.slot_mapping[FULL_GROUP]
         if cache.dtype == paddle.uint8:
             self.write_records(kv_c, k_pe, slots, cache)
             return
-        keep = paddle.nonzero(slots >= 0).flatten()
-        rows = paddle.concat([kv_c, k_pe], axis=-1)[keep].astype(cache.dtype)
-        cache.reshape([-1, cache.shape[-1]])[slots.astype("int64")[keep]] = rows
+        flat = cache.reshape([-1, cache.shape[-1]])
+        slots = paddle.where(slots >= 0, slots, paddle.full_like(slots, flat.shape[0] - 1)).astype("int64")
+        flat[slots] = paddle.concat([kv_c, k_pe], axis=-1).astype(cache.dtype)
 
     def absorbed(
         self, q: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta, plan: StepPlan, group: TokenGroup

@@ -5,18 +5,35 @@ A request computing ``chunk`` tokens from position ``start`` sees, with window W
 - MHA form: QK 192 wide + PV 128 wide on the pairs, plus decompressing every key in view through
   W_UK and W_UV (512 -> 128 + 128): 2 * H * (pairs * 320 + keys * 512 * 256) FLOPs;
 - absorbed form: QK 576 + PV 512 on the pairs: 2 * H * pairs * 1088 FLOPs.
-Each is divided by the rate our kernels reached on an H200 (benchmarks/README.md, MLA prefill,
-2026-12-03, 128 heads, C = W = 4096), and the MHA form pays a fixed cost for its extra launches
-(cache gather and de-quantization, two matmuls). So short chunks (a few tokens over a long
-context) stay absorbed and long chunks go MHA whenever the decompression is paid back.
+Each is divided by the rate the kernels that run it reach (``PrefillRates``; the sparse MLA
+provider states its own, ``SparseMLAProvider.prefill_rates``), and the MHA form pays a fixed cost
+for its extra launches (cache gather and de-quantization, two matmuls). So short chunks (a few
+tokens over a long context) stay absorbed and long chunks go MHA whenever the decompression is
+paid back.
 """
 
 from __future__ import annotations
 
-MHA_ATTENTION_FLOPS = 435e12  # the MHA-form prefill kernel, 3.158 ms
-DECOMPRESS_FLOPS = 586e12  # the W_UK / W_UV matmuls, bf16 (3.627 - 3.158 ms for 8191 keys)
-ABSORBED_FLOPS = 222e12  # our sparse MLA kernel on prefill (20.99 ms)
-MHA_FIXED_SECONDS = 30e-6  # the MHA path's four extra launches, small shapes
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillRates:
+    """FLOP/s of the MHA-form attention, of the W_UK / W_UV decompression, and of the absorbed
+    form; seconds of the MHA form's extra launches."""
+
+    mha_attention: float
+    decompress: float
+    absorbed: float
+    mha_fixed: float
+
+
+# our Triton kernels and FlashMLA on an H200 (benchmarks/README.md, MLA prefill, 2026-12-03,
+# 128 heads, C = W = 4096): the MHA-form kernel 3.158 ms, the bf16 decompression 3.627 - 3.158 ms
+# for 8191 keys, the sparse MLA kernel on prefill 20.99 ms
+H200_RATES = PrefillRates(mha_attention=435e12, decompress=586e12, absorbed=222e12, mha_fixed=30e-6)
+# paddle's CPU references (benchmarks/bench_prefill_form_cpu.py, fitted on 2 cores)
+CPU_REFERENCE_RATES = PrefillRates(mha_attention=435e12, decompress=586e12, absorbed=222e12, mha_fixed=30e-6)
 
 
 def attended_pairs(chunk: int, start: int, window: int) -> int:
@@ -30,17 +47,21 @@ def attended_pairs(chunk: int, start: int, window: int) -> int:
     return (first + first + uncapped - 1) * uncapped // 2 + capped * window
 
 
-def prefill_seconds(chunk: int, start: int, window: int, heads: int) -> dict[str, float]:
-    """Modelled H200 seconds of both forms for one request's prefill chunk."""
+def prefill_seconds(
+    chunk: int, start: int, window: int, heads: int, rates: PrefillRates = H200_RATES
+) -> dict[str, float]:
+    """Modelled seconds of both forms for one request's prefill chunk, at ``rates``."""
     pairs = attended_pairs(chunk, start, window)
     keys = chunk + (min(start, window - 1) if window > 0 else start)
-    mha = 2 * heads * pairs * 320 / MHA_ATTENTION_FLOPS + 2 * heads * keys * 512 * 256 / DECOMPRESS_FLOPS
-    return {"mha": mha + MHA_FIXED_SECONDS, "absorbed": 2 * heads * pairs * 1088 / ABSORBED_FLOPS}
+    mha = 2 * heads * pairs * 320 / rates.mha_attention + 2 * heads * keys * 512 * 256 / rates.decompress
+    return {"mha": mha + rates.mha_fixed, "absorbed": 2 * heads * pairs * 1088 / rates.absorbed}
 
 
-def choose_prefill_form(setting: str, chunk: int, start: int, window: int, heads: int) -> str:
+def choose_prefill_form(
+    setting: str, chunk: int, start: int, window: int, heads: int, rates: PrefillRates = H200_RATES
+) -> str:
     """ "mha" or "absorbed" for one request's prefill chunk; ``setting`` "auto" asks the model."""
     if setting != "auto":
         return setting
-    cost = prefill_seconds(chunk, start, window, heads)
+    cost = prefill_seconds(chunk, start, window, heads, rates)
     return "mha" if cost["mha"] < cost["absorbed"] else "absorbed"

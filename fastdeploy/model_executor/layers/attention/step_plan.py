@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
-from fastdeploy.config import KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.prefill_form import choose_prefill_form
+from fastdeploy.model_executor.layers.attention.sparse_mla_providers import DenseDecode, SparseMLAProvider
 from fastdeploy.model_executor.ops.triton_ops.mla_prefill import PrefillBatch
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer import swa_window_indices
 
@@ -30,16 +30,6 @@ class MHAKeys:
 
     slots: paddle.Tensor
     batch: PrefillBatch
-
-
-@dataclass
-class DenseDecode:
-    """A full layer's decodes for FlashMLA's dense kernel: block_table int32 [n, max_blocks] (the
-    full group's rows of the group's requests) and cache_seqlens int32 [n] (tokens cached after
-    this step's write)."""
-
-    block_table: paddle.Tensor
-    cache_seqlens: paddle.Tensor
 
 
 @dataclass
@@ -67,11 +57,11 @@ class TokenGroup:
 class StepPlan:
     """One attention kind's step: its token groups, the sparse MLA ``provider`` they were made
     for, an SWA kind's window ``indices`` int32 [T, topk] (topk = W rounded up to the provider's
-    multiple; None when no token attends absorbed, and for full layers), and FlashMLA's decode
-    ``schedule`` for the kind (None unless FlashMLA decodes this step)."""
+    multiple; None when no token attends absorbed, and for full layers), and the provider's decode
+    ``schedule`` for the kind (None unless it has one and the step decodes)."""
 
     groups: list[TokenGroup]
-    provider: str
+    provider: SparseMLAProvider
     indices: paddle.Tensor | None = None
     schedule: object | None = None
 
@@ -80,11 +70,14 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def plan_groups(meta: ForwardMeta, window: int, group: str, kernels: KernelConfig, num_heads: int) -> list[TokenGroup]:
+def plan_groups(
+    meta: ForwardMeta, window: int, group: str, provider: SparseMLAProvider, form: str, num_heads: int
+) -> list[TokenGroup]:
     """The calls of a kind with window W (0: full layers) reading KV cache group ``group``: prefill
-    requests in MHA form together (with their keys in view), the rest absorbed, decodes apart from
-    prefills for FlashMLA."""
-    split_decode = kernels.sparse_mla_provider == "flashmla"
+    requests in MHA form together (with their keys in view; ``form`` the mla_prefill_form
+    setting, priced at the provider's rates), the rest absorbed, decodes apart from prefills for
+    a provider that splits them."""
+    split_decode = provider.split_decode
     kinds = {"mha": [], "decode": [], "prefill": []} if split_decode else {"mha": [], "absorbed": []}
     for b in range(len(meta.seq_lens_encoder)):
         if meta.seq_lens_encoder[b] == 0:
@@ -93,7 +86,7 @@ def plan_groups(meta: ForwardMeta, window: int, group: str, kernels: KernelConfi
             chunk, start = int(meta.seq_lens_this_time[b]), int(meta.seq_lens_decoder[b])
             kind = (
                 "mha"
-                if choose_prefill_form(kernels.mla_prefill_form, chunk, start, window, num_heads) == "mha"
+                if choose_prefill_form(form, chunk, start, window, num_heads, provider.prefill_rates) == "mha"
                 else "prefill"
             )
         kinds[kind if kind == "mha" or split_decode else "absorbed"].append(b)
