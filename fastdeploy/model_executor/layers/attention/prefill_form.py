@@ -32,8 +32,11 @@ class PrefillRates:
 # 128 heads, C = W = 4096): the MHA-form kernel 3.158 ms, the bf16 decompression 3.627 - 3.158 ms
 # for 8191 keys, the sparse MLA kernel on prefill 20.99 ms
 H200_RATES = PrefillRates(mha_attention=435e12, decompress=586e12, absorbed=222e12, mha_fixed=30e-6)
-# paddle's CPU references (benchmarks/bench_prefill_form_cpu.py, fitted on 2 cores)
-CPU_REFERENCE_RATES = PrefillRates(mha_attention=435e12, decompress=586e12, absorbed=222e12, mha_fixed=30e-6)
+# paddle's CPU references on 2 cores (benchmarks/bench_prefill_form_cpu.py --fit, 2026-12-05: the
+# tiny checkpoint at 64 / 256 / 1300 / 2048 tokens; MHA 0.02 / 0.07 / 0.80 / 2.34 s, absorbed
+# 0.09 / 1.67 / 29.1 / 70.5 s): the MHA form's FLOPs at 9.0 GFLOP/s, the absorbed reference
+# (a gathered, de-quantized row per query and key) at 0.53 GFLOP/s
+CPU_REFERENCE_RATES = PrefillRates(mha_attention=9.0e9, decompress=9.0e9, absorbed=0.53e9, mha_fixed=1e-3)
 
 
 def attended_pairs(chunk: int, start: int, window: int) -> int:
