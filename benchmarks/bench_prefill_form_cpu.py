@@ -1,11 +1,12 @@
 """The MLA prefill forms on CPU (issue 37, item 8): one prompt's prefill through ``LLM`` in the MHA
 form, the absorbed form and ``auto``, on the tiny checkpoint (4 layers, 4 heads, W 32) widened
 to 8192 positions, at the lengths given. ``auto`` prices both forms with the reference
-provider's ``CPU_REFERENCE_RATES``; the rates are fitted from these numbers (``--fit``: the
-absorbed and MHA seconds per modelled unit, by least squares over the lengths).
+provider's ``CPU_REFERENCE_RATES``, which are fitted from the MHA and absorbed rows
+(``--fit FILE.json``: each form's seconds over the cost model's FLOPs, by least squares).
 
     python benchmarks/bench_prefill_form_cpu.py [--lengths 650,1300,4096] [--forms mha,absorbed,auto]
         [--json OUT.json]
+    python benchmarks/bench_prefill_form_cpu.py --fit OUT.json
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 from fastdeploy import LLM, SamplingParams  # noqa: E402
-from fastdeploy.model_executor.layers.attention.prefill_form import attended_pairs  # noqa: E402
+from fastdeploy.model_executor.layers.attention.prefill_form import PrefillRates, prefill_seconds  # noqa: E402
 from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model  # noqa: E402
 
 
@@ -50,37 +51,32 @@ def time_prefill(model: str, form: str, length: int, vocab: int) -> float:
 
 
 HEADS, WINDOWS, BUDGET = 4, (32, 0, 32, 0), 2048  # the tiny checkpoint's layers; the default token budget
+FLOPS = PrefillRates(mha_attention=1.0, decompress=1.0, absorbed=1.0, mha_fixed=0.0)  # "seconds" = FLOPs
 
 
-def model_units(length: int) -> dict[str, float]:
-    """The cost model's FLOPs of one prompt, summed over its chunks of ``BUDGET`` and the layers:
-    the MHA form's attention, its decompression, and the absorbed form (prefill_form.py)."""
-    units = {"mha_attention": 0.0, "decompress": 0.0, "absorbed": 0.0, "mha_launches": 0.0}
+def model_flops(length: int) -> dict[str, float]:
+    """The cost model's FLOPs of one prompt in each form (``prefill_seconds`` at unit rates, the
+    MHA form's attention and decompression together), summed over its chunks of ``BUDGET`` and
+    the layers."""
+    total = {"mha": 0.0, "absorbed": 0.0}
     for start in range(0, length, BUDGET):
-        chunk = min(BUDGET, length - start)
         for w in WINDOWS:
-            pairs = attended_pairs(chunk, start, w)
-            keys = chunk + (min(start, w - 1) if w > 0 else start)
-            units["mha_attention"] += 2 * HEADS * pairs * 320
-            units["decompress"] += 2 * HEADS * keys * 512 * 256
-            units["absorbed"] += 2 * HEADS * pairs * 1088
-            units["mha_launches"] += 1
-    return units
+            for form, flops in prefill_seconds(min(BUDGET, length - start), start, w, HEADS, FLOPS).items():
+                total[form] += flops
+    return total
 
 
 def fit(rows: list[dict]) -> dict[str, float]:
-    """Rates from measured seconds, by least squares through the origin: the MHA form's whole
-    time over its FLOPs (attention and decompression at one rate; the parts both forms share are
-    charged to it, which errs toward the absorbed form only for the shortest chunks), and the
-    absorbed form's time minus the MHA form's non-attention share over the absorbed FLOPs."""
-    u = [model_units(r["tokens"]) for r in rows]
-    mha_flops = np.array([x["mha_attention"] + x["decompress"] for x in u])
-    abs_flops = np.array([x["absorbed"] for x in u])
-    mha_s = np.array([r["mha"] for r in rows])
-    abs_s = np.array([r["absorbed"] for r in rows])
-    inv_mha = float(mha_flops @ mha_s / (mha_flops @ mha_flops))
-    inv_abs = float(abs_flops @ abs_s / (abs_flops @ abs_flops))
-    return {"mha_flops_per_s": 1 / inv_mha, "absorbed_flops_per_s": 1 / inv_abs}
+    """Each form's rate from its measured seconds over its modelled FLOPs, by least squares
+    through the origin over the lengths. The parts of a step both forms share (MoE, norms,
+    sampling) are charged to the rates too, which matters only where the attention is small."""
+    flops = [model_flops(r["tokens"]) for r in rows]
+    rates = {}
+    for form in ("mha", "absorbed"):
+        x = np.array([f[form] for f in flops])
+        y = np.array([r[form] for r in rows])
+        rates[f"{form}_flops_per_s"] = float(x @ x / (x @ y))
+    return rates
 
 
 def main() -> None:
@@ -100,11 +96,7 @@ def main() -> None:
         with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
             vocab = json.load(f)["vocab_size"]
         for length in map(int, args.lengths.split(",")):
-            row = {
-                "tokens": length,
-                "full_pairs": attended_pairs(length, 0, 0),
-                "swa_pairs": attended_pairs(length, 0, 32),
-            }
+            row = {"tokens": length}
             for form in args.forms.split(","):
                 row[form] = time_prefill(model, form, length, vocab)
                 print(length, form, f"{row[form]:.2f} s", flush=True)

@@ -1,9 +1,10 @@
 """The prefill form cost model: the pair count against a brute-force count, and the choices it
-makes at the shapes measured on the H200 (benchmarks/README.md, MLA prefill)."""
+makes at the shapes measured on the H200 (benchmarks/README.md, MLA prefill) and on CPU."""
 
 import pytest
 
 from fastdeploy.model_executor.layers.attention.prefill_form import (
+    CPU_REFERENCE_RATES,
     attended_pairs,
     choose_prefill_form,
     prefill_seconds,
@@ -31,6 +32,26 @@ def test_choices_at_measured_shapes():
     assert choose_prefill_form("auto", 2048, 30000, 0, 16) == "mha"
     assert choose_prefill_form("absorbed", 4096, 4096, 4096, 128) == "absorbed"
     assert choose_prefill_form("mha", 1, 4096, 4096, 128) == "mha"
+
+
+# one prompt from position 0 through the tiny checkpoint on 2 cores (benchmarks/README.md, MLA
+# prefill forms on CPU): tokens, MHA seconds, absorbed seconds
+CPU_MEASURED = [(256, 0.07, 1.67), (650, 0.40, 8.11), (1300, 0.80, 29.1), (2048, 2.34, 70.5)]
+
+
+@pytest.mark.parametrize("tokens, mha_s, absorbed_s", CPU_MEASURED)
+def test_cpu_rates_price_the_measured_prefills(tokens, mha_s, absorbed_s):
+    # the tiny checkpoint's four layers (W 32, full, W 32, full) at 4 heads, one chunk
+    layers = [prefill_seconds(tokens, 0, w, 4, CPU_REFERENCE_RATES) for w in (32, 0, 32, 0)]
+    # within 2x of what was measured, but for the MHA form at 256 tokens: its fixed cost and the
+    # parts of the model both forms share are priced from longer prompts (modelled 0.15 s)
+    for form, measured in (("mha", mha_s), ("absorbed", absorbed_s)):
+        high = 2.2 if (form, tokens) == ("mha", 256) else 2
+        assert 0.5 * measured < sum(c[form] for c in layers) < high * measured, form
+    for w in (32, 0):  # every layer sends a whole prompt to the MHA form, the faster one measured
+        assert choose_prefill_form("auto", tokens, 0, w, 4, CPU_REFERENCE_RATES) == "mha"
+    # one token over that context (a chunk's tail): decompressing every key does not pay
+    assert choose_prefill_form("auto", 1, tokens, 0, 4, CPU_REFERENCE_RATES) == "absorbed"
 
 
 @pytest.mark.parametrize("window", [16, 128])

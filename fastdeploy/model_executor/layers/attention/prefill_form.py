@@ -35,7 +35,8 @@ H200_RATES = PrefillRates(mha_attention=435e12, decompress=586e12, absorbed=222e
 # paddle's CPU references on 2 cores (benchmarks/bench_prefill_form_cpu.py --fit, 2026-12-05: the
 # tiny checkpoint at 64 / 256 / 1300 / 2048 tokens; MHA 0.02 / 0.07 / 0.80 / 2.34 s, absorbed
 # 0.09 / 1.67 / 29.1 / 70.5 s): the MHA form's FLOPs at 9.0 GFLOP/s, the absorbed reference
-# (a gathered, de-quantized row per query and key) at 0.53 GFLOP/s
+# (a gathered, de-quantized row per query and key) at 0.53 GFLOP/s; the MHA form's fixed cost is
+# not fitted: 1 ms a layer's chunk, below the 64-token run's 20 ms over its 4 layers
 CPU_REFERENCE_RATES = PrefillRates(mha_attention=9.0e9, decompress=9.0e9, absorbed=0.53e9, mha_fixed=1e-3)
 
 
