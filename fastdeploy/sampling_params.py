@@ -3,6 +3,7 @@ with the field's name), and SamplingState, what the sampler keeps of them per re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    n: int = 1  # samples of the prompt (LLM.generate runs each as its own request, see sample)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +64,7 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         checks = [
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an integer >= 1"),
+            ("n", _is_int(self.n) and self.n >= 1, "must be an integer >= 1"),
             ("temperature", _is_num(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
             ("top_p", _is_num(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "must be -1 or >= 1"),
@@ -106,6 +109,12 @@ class SamplingParams:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    def sample(self, k: int) -> SamplingParams:
+        """The k-th of n samples as one request's params: n = 1 and seed + k (mod 2^64), so the
+        samples differ and each reproduces; without a seed each sample draws its own."""
+        seed = None if self.seed is None else (self.seed + k) % 2**64
+        return dataclasses.replace(self, n=1, seed=seed)
 
 
 @dataclass

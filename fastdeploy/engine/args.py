@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,10 +81,11 @@ class EngineArgs:
         "fp8 when Triton kernels run, else none",
         QUANTIZATIONS,
     )
-    cuda_graph_batch_sizes: str | None = setting(
+    cuda_graph_batch_sizes: str | list[int] | None = setting(
         None,
-        "comma-separated batch sizes a pure-decode step is padded up to (each captured as a CUDA graph on a CUDA "
-        "build of paddle); None: 1, 2, 4, then multiples of 8 up to max_num_seqs on CUDA, none on CPU; '' none",
+        "comma-separated batch sizes (LLM(...) also takes a list of ints) a pure-decode step is padded up to "
+        "(each captured as a CUDA graph on a CUDA build of paddle); None: 1, 2, 4, then multiples of 8 up to "
+        "max_num_seqs on CUDA, none on CPU; '' none",
     )
     enforce_eager: bool = setting(False, "never capture CUDA graphs (buckets still pad decode batches)")
     cuda_graph_capture: bool = setting(
@@ -143,9 +145,14 @@ class EngineArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
-def batch_sizes(text: str | None, max_num_seqs: int, on_cuda: bool) -> tuple[int, ...]:
-    """``--cuda-graph-batch-sizes``: the listed sizes, or (None) vLLM's ladder on CUDA: 1, 2, 4,
-    then every multiple of 8, up to max_num_seqs (always included); none on CPU."""
+def batch_sizes(text: str | Sequence[int] | None, max_num_seqs: int, on_cuda: bool) -> tuple[int, ...]:
+    """``--cuda-graph-batch-sizes``: the listed sizes (comma-separated, or a sequence of ints from
+    ``LLM(...)``), or (None) vLLM's ladder on CUDA: 1, 2, 4, then every multiple of 8, up to
+    max_num_seqs (always included); none on CPU."""
+    if text is not None and not isinstance(text, str):
+        if any(isinstance(x, bool) or not isinstance(x, int) for x in text):
+            raise ValueError(f"cuda_graph_batch_sizes must be integers, got {list(text)!r}")
+        return tuple(sorted(set(text)))
     if text is None:
         if not on_cuda:
             return ()
@@ -159,9 +166,10 @@ def batch_sizes(text: str | None, max_num_seqs: int, on_cuda: bool) -> tuple[int
 
 
 def _flag_type(hint: Any) -> type:
-    """int for ``int | None`` and the like; the one non-None type of the hint."""
+    """int for ``int | None`` and the like: the hint's first type that is not None (a flag's text
+    is parsed as that; ``str | list[int] | None`` is a str on the command line)."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
     return hint
 
 

@@ -155,6 +155,8 @@ class LLMEngine:
         context length); a ValueError's message starts with the field it names (``param`` for
         the prompt)."""
         vocab = self.config.model_config.vocab_size
+        if params.n != 1:
+            raise ValueError(f"n: a request is one sample (got n={params.n}); queue params.sample(k) for each k")
         if isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
         else:

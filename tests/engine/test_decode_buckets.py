@@ -18,7 +18,7 @@ from fastdeploy.engine.args import batch_sizes
 
 def engines(model_dir, capture=False, **kw):
     common = dict(block_size=16, max_num_seqs=8, enable_prefix_caching=True, max_model_len=192, **kw)
-    return LLM(model_dir, cuda_graph_batch_sizes="4,8", cuda_graph_capture=capture, **common).engine, LLM(
+    return LLM(model_dir, cuda_graph_batch_sizes=[4, 8], cuda_graph_capture=capture, **common).engine, LLM(
         model_dir, cuda_graph_batch_sizes="", **common
     ).engine
 
@@ -143,12 +143,17 @@ def test_bucket_settings():
     assert batch_sizes(None, 12, on_cuda=True) == (1, 2, 4, 8, 12)
     assert batch_sizes(None, 64, on_cuda=False) == ()
     assert batch_sizes("8, 2,4", 8, on_cuda=False) == (2, 4, 8)
+    assert batch_sizes([8, 2, 4, 4], 8, on_cuda=True) == (2, 4, 8)
+    assert batch_sizes([], 8, on_cuda=True) == ()
     assert SchedulerConfig(max_num_seqs=8, cuda_graph_batch_sizes=(2, 4)).bucket_for(3) == 4
     assert SchedulerConfig(max_num_seqs=8, cuda_graph_batch_sizes=(2, 4)).bucket_for(5) == 5
     with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
         SchedulerConfig(max_num_seqs=8, cuda_graph_batch_sizes=(4, 16))
     with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
         batch_sizes("4,x", 8, on_cuda=False)
+    for bad in (["4"], [True], [2.0]):
+        with pytest.raises(ValueError, match="cuda_graph_batch_sizes must be integers"):
+            batch_sizes(bad, 8, on_cuda=False)
 
 
 def refuse(what):

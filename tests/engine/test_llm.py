@@ -217,3 +217,32 @@ def test_min_tokens_holds_stop_strings_back_exactly(llm):
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[first], min_tokens=k)
         c = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]
         assert c.finish_reason == "stop" and c.token_ids == ids[:k], (k, c)
+
+
+def test_n_samples_are_the_seeded_requests_one_by_one(rng):
+    """SamplingParams(n=3, seed=s) gives three completions, sample k the same tokens and logprobs
+    as a request of its own seeded s + k; with prefix caching the samples share the prompt's
+    blocks and every block is free afterwards."""
+    eng = LLM(
+        model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=60, max_model_len=512, enable_prefix_caching=True
+    )
+    p = {"prompt_token_ids": [int(x) for x in rng.integers(2, 500, 40)]}
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=2**64 - 2, logprobs=1, ignore_eos=True, n=3)
+    (out,) = eng.generate([p], sp)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    alone = [eng.generate([p], SamplingParams(**{**vars(sp), "n": 1, "seed": s}))[0] for s in (2**64 - 2, 2**64 - 1, 0)]
+    for c, a in zip(out.outputs, alone, strict=True):
+        assert c.token_ids == a.outputs[0].token_ids
+        for mine, theirs in zip(c.logprobs, a.outputs[0].logprobs, strict=True):  # batched vs alone: float32 sums
+            assert mine.keys() == theirs.keys() and all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+        assert len(c.token_ids) == 6
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # the seeds differ
+    assert out.prompt_token_ids == p["prompt_token_ids"]
+    pools = eng.engine.block_manager.pools.values()
+    assert all(pool.num_free == pool.num_blocks for pool in pools)
+    (greedy,) = eng.generate([p], SamplingParams(max_tokens=6, temperature=0.0, n=2))
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    with pytest.raises(ValueError, match="n must be an integer >= 1, got 0"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="^n: a request is one sample"):
+        eng.engine.add_request([5, 6, 7], SamplingParams(n=2))

@@ -188,7 +188,7 @@ class OpenAIServer:
                 f"has {n_prompt} and {field} asks for {max_tokens} more"
             )
             raise APIError(400, msg, field)
-        seed = None if body.seed is None else (body.seed + k) % 2**64
+        seed = None if body.seed is None else body.seed % 2**64
         prompt_logprobs = body.prompt_logprobs
         if prompt_logprobs is None and getattr(body, "echo", False) and logprobs is not None:
             prompt_logprobs = logprobs  # the echoed prompt carries logprobs like the generated tokens
@@ -211,7 +211,7 @@ class OpenAIServer:
                 logit_bias=self._logit_bias(body),
                 min_tokens=body.min_tokens,
                 structured=structured,
-            )
+            ).sample(k)
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e))) from None
 

@@ -1,0 +1,122 @@
+"""Mutation testing, one source file at a time, against that file's own tests.
+
+    python tools/mutation.py block_manager            # run (resumes where it stopped)
+    python tools/mutation.py block_manager --report   # counts and survivors only
+    python tools/mutation.py --list
+
+mutmut 3 reads one test selection for every file and ties each mutant to the tests that
+executed its function, so with the whole list in pyproject.toml a block-manager mutant also
+runs every engine test that allocates a block (minutes per survivor). This script copies the
+tracked tree to build/mutation/NAME/, narrows [tool.mutmut] there to one file and the tests
+listed for it below, and runs mutmut in that copy; its results stay there between runs.
+docs/mutation.md records the counts and argues each equivalent survivor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> (source file, its tests: files or pytest node ids)
+TARGETS: dict[str, tuple[str, list[str]]] = {
+    "sampler": (
+        "fastdeploy/model_executor/layers/sampler.py",
+        ["tests/layers/test_sampler.py", "tests/layers/test_device_sampler.py"],
+    ),
+    "device_sampler": (
+        "fastdeploy/model_executor/layers/device_sampler.py",
+        ["tests/layers/test_device_sampler.py", "tests/layers/test_sampler.py"],
+    ),
+    "decode_graphs": (
+        "fastdeploy/worker/decode_graphs.py",
+        ["tests/engine/test_decode_buckets.py"],
+    ),
+    "speculation": (
+        "fastdeploy/worker/speculation.py",
+        ["tests/engine/test_spec_decode.py", "tests/models/test_deepseek_mtp.py"],
+    ),
+    "grammar": (
+        "fastdeploy/input/grammar.py",
+        ["tests/input/test_grammar.py", "tests/engine/test_structured_llm.py"],
+    ),
+    "watchdog": ("fastdeploy/distributed/watchdog.py", ["tests/distributed/test_watchdog.py"]),
+    "scheduler": (
+        "fastdeploy/scheduler/scheduler.py",
+        ["tests/scheduler/test_scheduler.py", "tests/engine/test_swa_cache.py"],
+    ),
+    "block_manager": (
+        "fastdeploy/cache_manager/block_manager.py",
+        ["tests/cache_manager/test_block_manager.py", "tests/engine/test_swa_cache.py"],
+    ),
+}
+
+
+def _scratch(name: str) -> Path:
+    """A copy of the tracked tree whose [tool.mutmut] names one file and its tests."""
+    source, tests = TARGETS[name]
+    work = ROOT / "build" / "mutation" / name
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    for rel in files.split():
+        dst = work / rel
+        if (ROOT / rel).is_file() and rel != "pyproject.toml":
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dst)
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^\[tool\.mutmut\]\n(?:(?!^\[).*\n?)*", text, flags=re.M)
+    assert block, "pyproject.toml has no [tool.mutmut] table"
+    narrowed = re.sub(r"only_mutate = \[.*?\]", f"only_mutate = {json.dumps([source])}", block.group(0), flags=re.S)
+    narrowed = re.sub(
+        r"pytest_add_cli_args_test_selection = \[.*?\]",
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}",
+        narrowed,
+        flags=re.S,
+    )
+    (work / "pyproject.toml").write_text(text.replace(block.group(0), narrowed))
+    return work
+
+
+def report(name: str) -> dict[str, int]:
+    """Counts per status for NAME's last run, and the surviving mutants' names on stdout."""
+    from mutmut.stats import status_by_exit_code  # a dev-only dependency, imported when used
+
+    source, _ = TARGETS[name]
+    meta = ROOT / "build" / "mutation" / name / "mutants" / (source + ".meta")
+    codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+    status = {key: status_by_exit_code[code] for key, code in codes.items()}
+    counts = Counter(status.values())
+    print(f"{name}: {len(codes)} mutants, " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for key in sorted(status):
+        if status[key] not in ("killed", "not checked"):
+            print(f"  {status[key]}: {key}")
+    return dict(counts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", nargs="?", choices=sorted(TARGETS))
+    ap.add_argument("--list", action="store_true", help="print each target's file and tests")
+    ap.add_argument("--report", action="store_true", help="only print the last run's counts")
+    ap.add_argument("--max-children", type=int, default=2)
+    ap.add_argument("mutants", nargs="*", help="rerun only these mutant names (fnmatch patterns)")
+    args = ap.parse_args()
+    if args.list or not args.name:
+        for name, (source, tests) in TARGETS.items():
+            print(f"{name:15s} {source}\n{'':15s} " + " ".join(tests))
+        return
+    if not args.report:
+        work = _scratch(args.name)
+        cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children), *args.mutants]
+        subprocess.run(cmd, cwd=work, check=False)
+    report(args.name)
+
+
+if __name__ == "__main__":
+    main()
