@@ -97,7 +97,8 @@ class EngineArgs:
     mla_prefill_form: str = setting(
         "auto",
         "how prefill tokens attend: mha (keys decompressed, 192/128 wide per head), absorbed (MQA over the "
-        "latent, as decodes), auto: per request by a cost model measured on the H200",
+        "latent, as decodes), auto: per request by a cost model priced at the sparse-MLA provider's own "
+        "measured rates (an H200's for flashmla / triton, a 2-core CPU's for reference)",
         MLA_PREFILL_FORMS,
     )
     speculative_config: str | None = setting(

@@ -165,14 +165,3 @@ def token_bitmask(matchers: list[llguidance.LLMatcher], vocab_size: int) -> np.n
     bits = np.zeros((len(matchers), (vocab_size + 31) // 32), np.int32)
     fill_next_token_bitmask_par(_executor, [(m, i) for i, m in enumerate(matchers)], bits)
     return bits
-
-
-def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
-    """bool [n, vocab_size] from packed int32 words (bit t % 32 of word t // 32, little-endian)."""
-    as_bytes = np.ascontiguousarray(words, np.int32).view(np.uint8).reshape(len(words), -1)
-    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
-
-
-def allowed_tokens(matchers: list[llguidance.LLMatcher], vocab_size: int) -> np.ndarray:
-    """bool [len(matchers), vocab_size]: the tokens each matcher accepts next."""
-    return unpack_bitmask(token_bitmask(matchers, vocab_size), vocab_size)

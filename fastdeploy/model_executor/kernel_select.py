@@ -2,7 +2,9 @@
 
 ``select_kernels`` turns the three settings (``--kernel-backend``, ``--sparse-mla-provider``,
 ``--mla-prefill-form``) into a ``KernelConfig`` that the runner hands to the model and the step
-builder. Nothing below it reads the environment or keeps a module-global choice.
+builder. Nothing below it chooses an implementation again, from the environment or a module
+global; the launcher reads ``TRITON_INTERPRET`` only for how a chosen Triton kernel launches (in
+the interpreter, with float32 dots).
 
 - kernel_backend ``auto``: Triton kernels on a CUDA build of paddle, paddle references on CPU;
   ``triton``: Triton kernels (on CPU only in Triton's interpreter, ``TRITON_INTERPRET=1``; slow,

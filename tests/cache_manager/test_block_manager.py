@@ -209,3 +209,54 @@ def test_a_partial_last_block_is_never_registered():
         assert len(hashed) == 2 and req.block_tables[g][2] not in hashed, g
     other = request(list(range(1, 1 + 2 * BS + BS // 2)) + [9], "b")
     assert bm.match_prefix(other) == 2 * BS  # never the half-written third block
+
+
+def test_prefix_lookups_are_counted_only_when_caching_is_on():
+    """prefix_queries (the metrics' prefix_cache_queries) adds each looked-up prompt's tokens;
+    with caching off nothing is looked up, and a request that already holds blocks (or asks
+    for prompt logprobs) is not looked up again."""
+    off = BlockManager({"full": 20, "swa": 20}, BS, sliding_window=W)
+    finished(off, range(50, 90), "a")
+    assert off.match_prefix(request(range(50, 90), "b")) == 0 and off.prefix_queries == 0
+    on = BlockManager({"full": 20, "swa": 20}, BS, enable_prefix_caching=True, sliding_window=W)
+    finished(on, range(50, 90), "a")  # 40 tokens looked up (no hit)
+    b = request(list(range(50, 90)) + [3], "b")
+    assert on.match_prefix(b) == 32 and on.prefix_queries == 40 + 41
+    tables, refs = {g: list(t) for g, t in b.block_tables.items()}, list(on.pools["full"].ref_cnt)
+    assert on.match_prefix(b) == 0  # it holds blocks: no second lookup, no second reference
+    assert b.block_tables == tables and on.pools["full"].ref_cnt == refs and on.prefix_queries == 81
+    c = Request("c", list(range(50, 90)), SamplingParams(prompt_logprobs=0))
+    assert on.match_prefix(c) == 0 and c.block_tables == {"full": [], "swa": []} and on.prefix_queries == 81
+
+
+def test_a_hit_needs_the_full_blocks_even_where_the_swa_blocks_are_cached():
+    """Full blocks evicted while the SWA blocks of the same prefix stay cached: the hit stops at
+    the first evicted full block."""
+    bm = BlockManager({"full": 5, "swa": 20}, BS, enable_prefix_caching=True, sliding_window=W)
+    finished(bm, range(600, 664), "a")  # 4 full blocks, all registered and freed
+    other = request(range(700, 740), "o")
+    step(bm, other, other.num_tokens)  # 3 full blocks taken: the free one, then a's tail (3, 2)
+    b = request(list(range(600, 664)) + [1], "b")
+    assert bm.match_prefix(b) == 2 * BS
+    assert len(b.block_tables["full"]) == 2
+    bm.free_request(b)
+    bm.free_request(other)
+    assert bm.pools["full"].num_free == 5 and bm.pools["swa"].num_free == 20
+
+
+def test_two_copies_of_a_block_keep_the_first_registered_until_it_is_evicted():
+    """Two requests compute the same prompt at once (neither hits): the first to register its
+    blocks serves later hits, and handing out the other copy's blocks loses no hit."""
+    bm = BlockManager({"full": 4, "swa": 4}, BS, enable_prefix_caching=True, sliding_window=W)
+    tokens = list(range(800, 800 + 2 * BS))
+    a, b = request(tokens, "a"), request(tokens, "b")
+    step(bm, a, a.num_tokens)
+    step(bm, b, b.num_tokens)  # the same two blocks' content in other blocks
+    full_a, full_b = list(a.block_tables["full"]), list(b.block_tables["full"])
+    bm.free_request(b)  # b's copies first: they are handed out first
+    bm.free_request(a)
+    filler = request(range(1, 1 + 2 * BS), "f")
+    step(bm, filler, filler.num_tokens)
+    assert sorted(filler.block_tables["full"]) == sorted(full_b)
+    c = request(tokens + [5], "c")
+    assert bm.match_prefix(c) == 2 * BS and c.block_tables["full"] == full_a

@@ -10,9 +10,16 @@ import jsonschema
 import numpy as np
 import pytest
 
-from fastdeploy.input.grammar import GrammarEngine, allowed_tokens
+from fastdeploy.input.grammar import GrammarEngine, token_bitmask
 from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.model_executor.ops.triton_ops.token_mask import unpack_bitmask
 from fastdeploy.model_executor.tiny_checkpoint import resolve_model
+
+
+def allowed_tokens(matchers, vocab_size: int) -> np.ndarray:
+    """bool [len(matchers), vocab_size]: the tokens each matcher accepts next."""
+    return unpack_bitmask(token_bitmask(matchers, vocab_size), vocab_size)
+
 
 SCHEMAS = [
     {"type": "object", "properties": {"a": {"type": "integer", "minimum": -5, "maximum": 300}}, "required": ["a"]},
@@ -92,7 +99,7 @@ def test_regex_choice_and_json_object_walks(engine):
 
 
 def test_packed_mask_equals_llguidance_byte_mask(engine):
-    """allowed_tokens unpacks llguidance's 32-bit words; its compute_logit_bias (one byte a token,
+    """The packed 32-bit words unpacked; its compute_logit_bias (one byte a token,
     200 allowed) is an independent path to the same set, checked at every step of a walk."""
     eng, _ = engine
     rng = np.random.default_rng(0)

@@ -6,8 +6,7 @@ import numpy as np
 import paddle
 import pytest
 
-from fastdeploy.input.grammar import unpack_bitmask
-from fastdeploy.model_executor.ops.triton_ops.token_mask import MASKED_LOGIT, apply_token_bitmask
+from fastdeploy.model_executor.ops.triton_ops.token_mask import MASKED_LOGIT, apply_token_bitmask, unpack_bitmask
 
 
 def reference(logits: np.ndarray, words: np.ndarray, rows: list[int]) -> np.ndarray:

@@ -8,13 +8,19 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from fastdeploy.input.grammar import unpack_bitmask
 from fastdeploy.model_executor.ops.triton_ops.token_mask_kernel import launch_apply_token_bitmask
 
 # Finite, so the sampler's check for non-finite logits still catches a broken model, and low
 # enough that no penalty, bias or temperature lifts it near a real logit (exp of the difference
 # is 0 in float32).
 MASKED_LOGIT = -1e30
+
+
+def unpack_bitmask(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool [n, vocab_size] from packed int32 words (bit t % 32 of word t // 32, little-endian):
+    the kernel's reading of llguidance's masks, for the paddle path and for tests."""
+    as_bytes = np.ascontiguousarray(words, np.int32).view(np.uint8).reshape(len(words), -1)
+    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
 
 
 def apply_token_bitmask(logits: paddle.Tensor, words: np.ndarray, rows: list[int], triton: bool) -> paddle.Tensor:
