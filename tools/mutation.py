@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="only print the last run's counts")
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("mutants", nargs="*", help="rerun only these mutant names (fnmatch patterns)")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     if args.list or not args.name:
         for name, (source, tests) in TARGETS.items():
             print(f"{name:15s} {source}\n{'':15s} " + " ".join(tests))

@@ -114,3 +114,78 @@ def test_top_k_above_the_vocabulary_is_the_whole_vocabulary(rng, triton):
     reqs = [request(f"k{k}", [1], [], temperature=1.0, seed=11, top_k=k) for k in (-1, 2**63 - 1, 2**63, 10**30)]
     tokens = [r.token_id for r in DeviceSampler(V, 4, triton).sample(paddle.to_tensor(logits[[0] * 4]), reqs)]
     assert len(set(tokens)) == 1
+
+
+def near_ties(rng, rows: int) -> np.ndarray:
+    """float32 [rows, V] logits whose top 8 tokens lie within 0.4 of each other, so a penalty of a
+    count or two reorders them (random logits rarely let a penalty change the drawn token)."""
+    logits = rng.standard_normal((rows, V)).astype(np.float32)
+    for r in range(rows):
+        top = rng.choice(V, 8, replace=False)
+        logits[r, top] = 3.0 + rng.uniform(0, 0.4, 8)
+    return logits
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_penalty_counts_grow_with_each_drawn_token(rng, triton):
+    """Twelve decode steps of two penalized requests (slots 0 and 1) beside an unpenalized one:
+    each step's token equals the numpy sampler's over the output so far, so the counts the
+    sampler adds on the device after every draw are the output's counts."""
+    sampler = DeviceSampler(V, 2, triton)
+    pen = dict(presence_penalty=0.05, frequency_penalty=0.1, repetition_penalty=1.02)
+    reqs = [request("a", [1, 2, 3], [], **pen), request("free", [4], []), request("b", [5, 6], [7, 7], **pen)]
+    base, drawn = near_ties(rng, 3), []  # the same near-tied tokens compete at every step
+    for _ in range(12):
+        tokens = check(sampler, base + 0.01 * rng.standard_normal(base.shape).astype(np.float32), reqs)
+        for r, t in zip(reqs, tokens, strict=True):
+            r.output_token_ids.append(t)
+        drawn.append(tokens)
+    assert len({t[0] for t in drawn}) > 3  # the penalties spread the draws over the near-tied tokens
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_seeded_draws_do_not_depend_on_how_the_counts_were_built(rng, triton):
+    """Sampled (temperature 1), penalized and seeded: a sampler that followed the request from
+    its first token (counts added on the device step by step) and a fresh one that meets it at
+    step k (counts rebuilt from the output) draw the same token at every step."""
+    follow = DeviceSampler(V, 2, triton)
+    pen = dict(temperature=1.0, seed=77, presence_penalty=0.1, frequency_penalty=0.3, repetition_penalty=1.1)
+    req = request("s", [3, 4, 5], [], **pen)
+    base = near_ties(rng, 1)
+    for _ in range(10):
+        logits = base + 0.01 * rng.standard_normal(base.shape).astype(np.float32)
+        (a,) = follow.sample(paddle.to_tensor(logits), [req])
+        (b,) = DeviceSampler(V, 2, triton).sample(paddle.to_tensor(logits), [req])
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-6)
+        req.output_token_ids.append(a.token_id)
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_pending_drafts_count_before_the_draw(rng, triton):
+    """A verification row with two accepted drafts of the leading token: it is penalized as if
+    they were in the output (the numpy sampler over output + pending draws another token)."""
+    logits = near_ties(rng, 1)
+    lead = int(np.argmax(logits[0]))
+    req = request("v", [1], [], presence_penalty=1.0, frequency_penalty=1.0)
+    (tok,) = check(DeviceSampler(V, 2, triton), logits, [req], pending=[[lead, lead]])
+    assert tok != lead
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_min_tokens_keeps_the_logit_bias(rng, triton):
+    """While min_tokens blocks the stop ids, the request's own logit bias still applies."""
+    logits = rng.standard_normal((1, V)).astype(np.float32)
+    low = int(np.argmin(logits[0]))
+    req = request("m", [1], [], eos=(5,), min_tokens=3, logit_bias={low: 50.0})
+    assert check(DeviceSampler(V, 2, triton), logits, [req]) == [low]
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_a_row_with_non_finite_logits_fails_alone(rng, triton):
+    logits = rng.standard_normal((3, V)).astype(np.float32)
+    logits[1, 7] = np.nan
+    reqs = [request(f"r{i}", [1], []) for i in range(3)]
+    got = DeviceSampler(V, 2, triton).sample(paddle.to_tensor(logits), reqs)
+    assert len(got) == 3 and isinstance(got[1], ValueError)
+    assert str(got[1]) == "the model's logits for this request are not finite"
+    assert [got[0].token_id, got[2].token_id] == [int(np.argmax(logits[0])), int(np.argmax(logits[2]))]
