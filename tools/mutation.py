@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGETS: dict[str, tuple[str, list[str]]] = {
     "sampler": (
         "fastdeploy/model_executor/layers/sampler.py",
-        ["tests/layers/test_sampler.py", "tests/layers/test_device_sampler.py"],
+        ["tests/layers/test_sampler.py", "tests/layers/test_device_sampler.py", "tests/ops/test_sampling.py"],
     ),
     "device_sampler": (
         "fastdeploy/model_executor/layers/device_sampler.py",
@@ -59,8 +59,9 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def _scratch(name: str) -> Path:
-    """A copy of the tracked tree whose [tool.mutmut] names one file and its tests."""
+def _scratch(name: str, timeout_multiplier: float | None = None) -> Path:
+    """A copy of the tracked tree whose [tool.mutmut] names one file and its tests (and, if
+    given, another timeout multiplier: a loaded machine makes slow tests look like hangs)."""
     source, tests = TARGETS[name]
     work = ROOT / "build" / "mutation" / name
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
@@ -79,6 +80,8 @@ def _scratch(name: str) -> Path:
         narrowed,
         flags=re.S,
     )
+    if timeout_multiplier is not None:
+        narrowed = re.sub(r"timeout_multiplier = [0-9.]+", f"timeout_multiplier = {timeout_multiplier}", narrowed)
     (work / "pyproject.toml").write_text(text.replace(block.group(0), narrowed))
     return work
 
@@ -105,6 +108,7 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print each target's file and tests")
     ap.add_argument("--report", action="store_true", help="only print the last run's counts")
     ap.add_argument("--max-children", type=int, default=2)
+    ap.add_argument("--timeout-multiplier", type=float, help="instead of pyproject.toml's (rerun timeouts)")
     ap.add_argument("mutants", nargs="*", help="rerun only these mutant names (fnmatch patterns)")
     args = ap.parse_intermixed_args()
     if args.list or not args.name:
@@ -112,7 +116,7 @@ def main() -> None:
             print(f"{name:15s} {source}\n{'':15s} " + " ".join(tests))
         return
     if not args.report:
-        work = _scratch(args.name)
+        work = _scratch(args.name, args.timeout_multiplier)
         cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children), *args.mutants]
         subprocess.run(cmd, cwd=work, check=False)
     report(args.name)

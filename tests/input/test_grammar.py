@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fastdeploy.input.grammar import GrammarEngine, token_bitmask
-from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.input.tokenizer import THINK_END, TOOL_CALLS_BEGIN, Tokenizer
 from fastdeploy.model_executor.ops.triton_ops.token_mask import unpack_bitmask
 from fastdeploy.model_executor.tiny_checkpoint import resolve_model
 
@@ -148,3 +148,22 @@ def test_compiled_grammars_are_cached(engine, monkeypatch):
     eng.compile(*b)
     eng.compile(*a)
     assert calls == [a, b, a]
+
+
+def test_added_tokens_match_as_their_text_and_special_ones_never(engine):
+    """The tiny tokenizer is a byte-level BPE whose tool-call tags and </think> are added tokens
+    that are not special: a constraint that spells one lets the model write it as its single
+    token. The special tokens (EOS) are never text: a regex cannot ask for them."""
+    eng, tok = engine
+    for text in (THINK_END, TOOL_CALLS_BEGIN):
+        tid = tok.single_token(text)
+        assert tid is not None
+        m = eng.matcher(eng.compile("regex", re.escape(text) + "x"))
+        assert allowed_tokens([m], eng.vocab_size)[0][tid], text
+        assert m.consume_token(tid) and not m.is_stopped()
+    eos = tok.eos_token_id
+    m = eng.matcher(eng.compile("regex", "a"))
+    assert not allowed_tokens([m], eng.vocab_size)[0][eos]  # before the text is done
+    plain = tok.encode(" ab", add_special_tokens=False)  # a byte-level token with a leading space
+    m = eng.matcher(eng.compile("regex", " ab"))
+    assert allowed_tokens([m], eng.vocab_size)[0][plain[0]]

@@ -1,7 +1,15 @@
 import numpy as np
 import pytest
 
-from fastdeploy.model_executor.layers.sampler import SamplingState, adjusted_logits, sample, top_p_mask
+from fastdeploy.model_executor.layers.sampler import (
+    SAMPLING_EPS,
+    SamplingState,
+    adjusted_logits,
+    kept_mask,
+    sample,
+    sample_one,
+    top_p_mask,
+)
 from fastdeploy.sampling_params import SamplingParams
 
 
@@ -134,3 +142,115 @@ def test_accepted_extremes_never_make_nan(rng):
         st = SamplingState(temperature=temp, repetition_penalty=5e-324, rng=np.random.default_rng(0), top_p=0.9)
         res = sample(logits, [st] * 3, [([1, 2, 3], [4, 5])] * 3)
         assert all(not isinstance(r, Exception) and 0 <= r.token_id < 40 for r in res), res
+
+
+def kept_by_definition(z: np.ndarray, temperature: float, min_p: float, top_k: int, top_p: float) -> np.ndarray:
+    """The tokens a draw may pick, from each filter's definition in turn, token by token: min-p
+    keeps p >= min_p * max p; top-k keeps whatever is at least the k-th largest kept logit (ties
+    kept); top-p keeps, of the rest renormalized, the most likely tokens (ties by token id) until
+    their mass reaches top_p."""
+    y = z / temperature
+    p = np.exp(y - y.max())
+    p /= p.sum()
+    keep = [True] * len(y)
+    if min_p > 0:
+        keep = [k and p[t] >= min_p * p.max() for t, k in enumerate(keep)]
+    kept = sorted((y[t] for t in range(len(y)) if keep[t]), reverse=True)
+    if 0 < top_k < len(kept):
+        keep = [k and y[t] >= kept[top_k - 1] for t, k in enumerate(keep)]
+    if top_p < 1.0:
+        q = np.array([np.exp(y[t] - y.max()) if keep[t] else 0.0 for t in range(len(y))])
+        q /= q.sum()
+        chosen, mass = set(), 0.0
+        for t in sorted(range(len(y)), key=lambda t: (-q[t], t)):
+            if mass >= top_p:
+                break
+            chosen.add(t)
+            mass += q[t]
+        keep = [k and t in chosen for t, k in enumerate(keep)]
+    return np.array(keep)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
+@pytest.mark.parametrize("top_k", [-1, 1, 3, 40])
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 1.0])
+def test_kept_tokens_follow_each_filters_definition(rng, temperature, min_p, top_k, top_p):
+    z = rng.standard_normal(40) * 2
+    z[[3, 17]] = z.max() + 0.1  # a tie at the top
+    y, keep = kept_mask(z, SamplingState(temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p))
+    np.testing.assert_allclose(y, z / temperature, rtol=1e-15)
+    want = kept_by_definition(z, temperature, min_p, top_k, top_p)
+    assert keep.tolist() == want.tolist()
+    assert keep[3]  # the arg-max (of a tie, the lowest id) is always kept
+
+
+def test_a_draw_is_from_the_kept_tokens_renormalized(rng):
+    """A seeded draw picks the token the same generator picks from the kept tokens' softmax of
+    z / temperature (the distribution, not only its support)."""
+    z = rng.standard_normal(30) * 2
+    for seed in range(20):
+        st = SamplingState(temperature=0.7, top_k=8, top_p=0.9, rng=np.random.default_rng(seed))
+        keep = kept_by_definition(z, 0.7, 0.0, 8, 0.9)
+        q = np.where(keep, np.exp((z - z.max()) / 0.7), 0.0)
+        want = int(np.random.default_rng(seed).choice(30, p=q / q.sum()))
+        assert sample_one(z, st, [], []).token_id == want
+
+
+def test_without_a_generator_a_request_still_draws(rng):
+    z = rng.standard_normal(30)
+    res = sample(z[None].astype(np.float32), [SamplingState(temperature=1.0, top_k=5)])[0]
+    assert res.token_id in set(np.argsort(-z)[:5].tolist())
+
+
+def test_temperature_at_the_greedy_threshold_samples():
+    """Below SAMPLING_EPS is greedy; at it a row samples: two tied leaders are both drawn."""
+    z = np.zeros(20)
+    z[[4, 9]] = 5.0
+    at = {
+        sample_one(z, SamplingState(temperature=SAMPLING_EPS, rng=np.random.default_rng(s)), [], []).token_id
+        for s in range(30)
+    }
+    below = {
+        sample_one(z, SamplingState(temperature=SAMPLING_EPS / 2, rng=np.random.default_rng(s)), [], []).token_id
+        for s in range(30)
+    }
+    assert at == {4, 9} and below == {4}
+
+
+def test_each_penalty_alone_and_a_repetition_penalty_of_two():
+    row = np.linspace(-2.0, 2.0, 12)
+    prompt, output = [1], [10, 10, 4]
+    cases = [
+        (dict(presence_penalty=0.7), {10: row[10] - 0.7, 4: row[4] - 0.7}),
+        (dict(frequency_penalty=0.4), {10: row[10] - 0.8, 4: row[4] - 0.4}),
+        (dict(repetition_penalty=2.0), {1: row[1] * 2.0, 10: row[10] / 2.0, 4: row[4] * 2.0}),  # 1, 4 negative
+    ]
+    for kw, changed in cases:
+        want = row.copy()
+        for t, v in changed.items():
+            want[t] = v
+        np.testing.assert_allclose(adjusted_logits(row, SamplingState(**kw), prompt, output), want, rtol=0, atol=1e-12)
+    no_history = sample(row[None].astype(np.float32), [SamplingState(temperature=0.0, repetition_penalty=1.5)])
+    assert no_history[0].token_id == 11  # nothing seen: nothing penalized
+
+
+def test_ties_are_broken_by_token_id(rng):
+    """Top logprobs and top-p's nucleus, over a row of 64 tokens in tied groups: the lower token
+    ids of a tie come first (numpy's default sort is not stable at this size)."""
+    z = np.repeat(rng.permutation(8).astype(np.float64), 8)[rng.permutation(64)]
+    res = sample_one(z, SamplingState(temperature=0.0, logprobs=11), [], [])
+    top = np.flatnonzero(z == z.max()).tolist() + np.flatnonzero(z == np.sort(np.unique(z))[-2]).tolist()[:3]
+    assert set(res.top_logprobs) == set(top)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    leaders = np.flatnonzero(z == z.max())
+    mask = top_p_mask(p, p[leaders[0]] * 2.5)  # two and a half of the 8 leaders' mass: 3 of them
+    assert np.flatnonzero(mask).tolist() == leaders[:3].tolist()
+
+
+def test_non_finite_logits_error_message(rng):
+    z = rng.standard_normal(10)
+    z[2] = np.inf
+    with pytest.raises(ValueError, match="^the model's logits for this request are not finite$"):
+        sample_one(z, SamplingState(), [], [])
