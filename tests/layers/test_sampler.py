@@ -254,3 +254,18 @@ def test_non_finite_logits_error_message(rng):
     z[2] = np.inf
     with pytest.raises(ValueError, match="^the model's logits for this request are not finite$"):
         sample_one(z, SamplingState(), [], [])
+
+
+def test_top_k_over_a_real_vocabulary_and_top_p_of_one(rng):
+    """top-k of a 4096-token row keeps exactly the k largest (a small row sorts itself while
+    numpy partitions it, a large one does not); top_p 1.0 keeps every token, those whose mass is
+    below the float64 rounding of the running sum included."""
+    z = rng.standard_normal(4096) * 2
+    for k in (1, 5, 50):
+        _, keep = kept_mask(z, SamplingState(top_k=k))
+        assert keep.tolist() == kept_by_definition(z, 1.0, 0.0, k, 1.0).tolist()
+        assert keep.sum() == k
+    wide = np.full(64, -80.0)
+    wide[[5, 9]] = 0.0  # p: 0.5, 0.5 and 62 tokens of e^-80: the cumulative mass is 1.0 after two
+    _, keep = kept_mask(wide, SamplingState(top_p=1.0))
+    assert keep.all()
