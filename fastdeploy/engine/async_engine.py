@@ -17,8 +17,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+from fastdeploy.config import ModelConfig
 from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.engine.metrics import EngineMetrics
+from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.request import Request, RequestOutput
+from fastdeploy.sampling_params import SamplingParams
 
 logger = logging.getLogger("fastdeploy")
 
@@ -32,6 +36,9 @@ class ServerDrainingError(RuntimeError):
 
 
 class AsyncLLMEngine:
+    """All that serving sees of the engine: ``make_request`` (any thread), ``add`` / ``stream`` /
+    ``abort`` of requests, the tokenizer, the model's config and limits, and the metrics."""
+
     def __init__(self, engine: LLMEngine, on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.on_fatal = on_fatal
@@ -44,8 +51,34 @@ class AsyncLLMEngine:
         self.draining = False
         self.error: BaseException | None = None
         engine.fatal_listeners.append(self._fail_all)
+        self.metrics = EngineMetrics(engine)
+        engine.step_listeners.append(self.metrics.on_token)
+        engine.finish_listeners.append(self.metrics.on_finish)
         self.thread = threading.Thread(target=self._loop, name="fastdeploy-engine", daemon=True)
         self.thread.start()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.config.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.scheduler_config.max_model_len
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.engine.config.cache_config.enable_prefix_caching
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, param: str = "prompt"
+    ) -> Request:
+        """A validated, tokenized request (``LLMEngine.make_request``; touches no engine state, so
+        any thread may call it); hand it to ``add``."""
+        return self.engine.make_request(prompt, params, request_id, param)
 
     @property
     def healthy(self) -> bool:

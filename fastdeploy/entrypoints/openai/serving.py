@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError, ServerDrainingError
-from fastdeploy.engine.metrics import EngineMetrics
 from fastdeploy.entrypoints.openai.protocol import (
     MAX_STOP,
     APIError,
@@ -77,12 +76,10 @@ class OpenAIServer:
         self.reasoning_parser = reasoning_parser
         self.name = served_model_name
         self.max_seqs = max_seqs_per_request
-        self.metrics = EngineMetrics(engine.engine)
-        engine.engine.step_listeners.append(self.metrics.on_token)
-        engine.engine.finish_listeners.append(self.metrics.on_finish)
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.config.scheduler_config.max_model_len
-        self.prefix_caching = engine.engine.config.cache_config.enable_prefix_caching
+        self.metrics = engine.metrics
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.prefix_caching = engine.enable_prefix_caching
         self.created = int(time.time())
 
     # ------------------------------------------------------------ requests -> engine (off the event loop)
@@ -243,7 +240,7 @@ class OpenAIServer:
             for k in range(body.n):
                 try:
                     params = self._params(body, max_tokens, logprobs, len(ids), k, structured)
-                    req = self.engine.engine.make_request(list(ids), params, f"{rid}-{i}-{k}", param=param)
+                    req = self.engine.make_request(list(ids), params, f"{rid}-{i}-{k}", param=param)
                 except ValueError as e:
                     raise APIError(400, str(e), param_of(str(e))) from None
                 if isinstance(prompt, str) and param != "messages":
