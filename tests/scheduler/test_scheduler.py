@@ -94,3 +94,152 @@ def test_groups_arriving_together_interleave():
         ungrouped.add(Request(f"r{i}", [1] * 4, SamplingParams()))
     run(ungrouped)
     assert [r.request_id for r in ungrouped.running] == ["r0", "r1", "r2", "r3"]
+
+
+def test_abort_frees_a_running_and_a_waiting_request():
+    s = make(blocks=8, max_num_seqs=1)
+    a, b = Request("a", [1] * 8, SamplingParams()), Request("b", [1] * 8, SamplingParams())
+    s.add(a)
+    s.add(b)
+    run(s)
+    assert s.running == [a] and list(s.waiting) == [b] and s.bm.pools["full"].num_free == 6
+    s.abort(a)
+    assert s.running == [] and list(s.waiting) == [b] and s.bm.pools["full"].num_free == 8
+    s.abort(b)
+    assert not s.has_unfinished() and s.bm.pools["full"].num_free == 8
+
+
+def test_decodes_are_scheduled_before_prefill_chunks():
+    """A budget of 3: the decode (1 token) goes first, the prefill chunk (two tokens left, so
+    not a decode) gets the rest; then a step whose budget exactly fits three decodes runs all
+    three."""
+    s = make(blocks=40, max_num_batched_tokens=3)
+    old = Request("old", [1] * 5, SamplingParams())
+    s.add(old)
+    run(s)  # 3 of its 5 prompt tokens
+    new = Request("new", [2] * 2, SamplingParams())
+    s.add(new)
+    out = run(s)  # old: its last 2; new: 1 of 2
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("old", 2), ("new", 1)]
+    out = run(s)  # old decodes (1), new finishes its prompt (1)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("old", 1), ("new", 1)]
+    third = Request("third", [3], SamplingParams())
+    s.add(third)
+    run(s)
+    out = run(s)
+    assert sorted((r.request_id, n) for r, n in out.scheduled) == [("new", 1), ("old", 1), ("third", 1)]
+
+
+def test_a_scheduled_decode_preempted_later_in_the_step_leaves_the_step():
+    """The newest request decodes first and takes the last free block; an older one's prefill
+    chunk then needs a block and preempts it: the step holds only the older request."""
+    s = make(blocks=4)
+    old, new = Request("old", [1] * 8, SamplingParams()), Request("new", [2] * 4, SamplingParams())
+    s.add(old)
+    s.add(new)
+    run(s)  # old: 8 + 1 out (2 blocks), new: 4 + 1 out (1 block)
+    old.num_computed_tokens = 4  # old recomputes positions 4..8 (a prefill chunk, 3rd block)
+    assert s.bm.pools["full"].num_free == 1
+    out = s.schedule()
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("old", 5)]
+
+
+def test_a_request_preempted_early_in_the_step_lets_the_later_ones_run():
+    """Running: a (decode), b (prefill chunk), c (decode, newest); the pool is full. a needs a
+    block and preempts c, whose blocks are enough for a and for b: both run."""
+    s = make(blocks=5)
+    a, b, c = (Request(r, [i] * n, SamplingParams()) for i, (r, n) in enumerate((("a", 4), ("b", 8), ("c", 8))))
+    for r in (a, b, c):
+        s.add(r)
+    run(s)  # a: 1 block, b: 2, c: 2; each has its first output token
+    b.num_computed_tokens = 4  # b recomputes positions 4..8 (a prefill chunk, its 3rd block)
+    assert s.bm.pools["full"].num_free == 0
+    out = s.schedule()
+    assert [r.request_id for r in out.preempted] == ["c"]
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 5)]
+
+
+def test_each_preemption_counts_once():
+    """Three requests decoding in a pool too small for all: over many steps the requests'
+    num_preemptions add up to the preemptions the steps report."""
+    s = make(blocks=6)
+    reqs = [Request(f"r{i}", [1] * 8, SamplingParams()) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    reported = 0
+    for _ in range(40):
+        reported += len(run(s).preempted)
+    assert reported >= 2 and sum(r.num_preemptions for r in reqs) == reported
+
+
+def test_no_admission_in_a_step_that_preempted():
+    """A step that preempted admits nothing, even where the freed blocks would fit a chunk of
+    the victim and the token budget leaves room for one."""
+    s = make(blocks=7)
+    reqs = [Request(f"r{i}", [1] * n, SamplingParams()) for i, n in enumerate((8, 8, 12))]
+    for r in reqs:
+        s.add(r)
+    run(s)  # 2 + 2 + 3 blocks: the pool is full
+    s.config.max_num_batched_tokens = 4
+    out = s.schedule()  # r0 and r1 need a block each: r2 is preempted, 1 block and 2 tokens of budget left
+    assert [r.request_id for r in out.preempted] == ["r2"] and s.bm.pools["full"].num_free == 1
+    assert [r.request_id for r, _ in out.scheduled] == ["r0", "r1"] and s.waiting[0] is reqs[2]
+
+
+def draft_step(max_tokens: int = 50, budget: int = 64, drafts=(7, 8, 9), max_model_len: int = 64):
+    """A request past its 6-token prompt (one token out) with drafts, and the step that follows."""
+    s = make(blocks=40, max_model_len=max_model_len)
+    req = Request("d", [1] * 6, SamplingParams(max_tokens=max_tokens))
+    s.add(req)
+    run(s)
+    s.config.max_num_batched_tokens = budget
+    req.draft_token_ids = list(drafts)
+    return s, req, s.schedule()
+
+
+def test_a_decode_verifies_its_drafts_within_room_and_budget():
+    _, req, out = draft_step()
+    assert out.scheduled == [(req, 4)] and req.draft_token_ids == [7, 8, 9]  # its token and 3 drafts
+    _, req, out = draft_step(max_tokens=3)  # 1 out, 2 left: room for 1 draft
+    assert out.scheduled == [(req, 2)] and req.draft_token_ids == [7]
+    _, req, out = draft_step(budget=3)  # 3 tokens: its own and 2 drafts
+    assert out.scheduled == [(req, 3)] and req.draft_token_ids == [7, 8]
+    _, req, out = draft_step(max_model_len=9)  # 7 tokens, room to 9: 1 draft
+    assert out.scheduled == [(req, 2)] and req.draft_token_ids == [7]
+    s, req, out = draft_step()
+    for r, n in out.scheduled:
+        r.num_computed_tokens += n
+    req.output_token_ids += [7, 8, 9, 5]  # all three accepted, and the token after them
+    req.draft_token_ids = []
+    out = s.schedule()
+    assert out.scheduled == [(req, 1)]  # no drafts: one token
+
+
+def lookahead_step(lookahead: int, max_model_len: int = 64, blocks: int = 40):
+    """A request past its 7-token prompt (2 blocks, one token out), and its next decode step."""
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=max_model_len),
+        BlockManager({"full": blocks}, BS),
+        lookahead=lookahead,
+    )
+    req = Request("l", [1] * 7, SamplingParams(max_tokens=60))
+    s.add(req)
+    run(s)
+    return s, req, s.schedule()
+
+
+def test_lookahead_blocks_for_the_draft_model():
+    """With lookahead L a running request's blocks cover L positions past the step's tokens
+    (the draft model writes them), never past max_model_len, and only the step's own tokens
+    when the pool is short of the rest (no preemption for them)."""
+    for lookahead in (1, 2, 5, 9):
+        _, req, out = lookahead_step(lookahead)
+        assert out.scheduled == [(req, 1)]
+        assert len(req.block_tables["full"]) == -(-(8 + lookahead) // BS), lookahead
+    _, req, _ = lookahead_step(0)
+    assert len(req.block_tables["full"]) == 2
+    _, req, _ = lookahead_step(5, max_model_len=10)  # 2 positions past the step to max_model_len
+    assert len(req.block_tables["full"]) == 3
+    _, req, out = lookahead_step(5, blocks=2)  # the pool has only the 2 blocks the step needs
+    assert out.scheduled == [(req, 1)] and len(req.block_tables["full"]) == 2 and not out.preempted
