@@ -162,15 +162,19 @@ def test_a_request_preempted_early_in_the_step_lets_the_later_ones_run():
 
 def test_each_preemption_counts_once():
     """Three requests decoding in a pool too small for all: over many steps the requests'
-    num_preemptions add up to the preemptions the steps report."""
+    num_preemptions add up to the preemptions the steps report, and each keeps the time it was
+    first scheduled."""
     s = make(blocks=6)
     reqs = [Request(f"r{i}", [1] * 8, SamplingParams()) for i in range(3)]
     for r in reqs:
         s.add(r)
     reported = 0
+    run(s)
+    first = [r.first_scheduled_time for r in reqs]
     for _ in range(40):
         reported += len(run(s).preempted)
     assert reported >= 2 and sum(r.num_preemptions for r in reqs) == reported
+    assert [r.first_scheduled_time for r in reqs] == first  # kept over preemptions
 
 
 def test_no_admission_in_a_step_that_preempted():
@@ -243,3 +247,90 @@ def test_lookahead_blocks_for_the_draft_model():
     assert len(req.block_tables["full"]) == 3
     _, req, out = lookahead_step(5, blocks=2)  # the pool has only the 2 blocks the step needs
     assert out.scheduled == [(req, 1)] and len(req.block_tables["full"]) == 2 and not out.preempted
+
+
+def ids(out) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in out.scheduled]
+
+
+def test_fair_order_ranks_each_groups_kth_waiting_request_at_running_plus_k():
+    """A has 0 running and 3 waiting (ranks 0, 1, 2), B has 2 running and 1 waiting (rank 2):
+    admitted A0, A1, then A2 and B0 tie at 2 and go by arrival."""
+    s = make(blocks=400, max_num_seqs=5)
+    for i in range(2):
+        s.add(Request(f"b-run{i}", [1] * 4, SamplingParams(), group="B"))
+    run(s)
+    for i in range(3):
+        s.add(Request(f"a{i}", [1] * 4, SamplingParams(), group="A"))
+    s.add(Request("b0", [1] * 4, SamplingParams(), group="B"))
+    out = run(s)
+    assert [r for r, n in ids(out) if n > 1] == ["a0", "a1", "a2"]
+
+
+def test_samples_wait_for_the_first_to_compute_the_prompt():
+    """Sample 2 of a prompt waits while sample 1 computes the prompt (then shares its blocks),
+    and later requests are not held back by it; once sample 1 has computed the prompt, or has
+    finished, sample 2 is admitted."""
+    s = make(blocks=400, max_num_batched_tokens=6)
+    first = Request("s1", [1] * 8, SamplingParams())
+    second = Request("s2", [1] * 8, SamplingParams(), prefill_after=first)
+    other = Request("o", [2] * 2, SamplingParams())
+    for r in (first, second, other):
+        s.add(r)
+    out = run(s)  # s1: 6 of 8; s2 waits; o: admitted behind it
+    assert ids(out) == [("s1", 6)] and list(s.waiting) == [second, other]
+    out = run(s)  # s1's last 2 prompt tokens; s2 still waits; o gets 2
+    assert ids(out) == [("s1", 2), ("o", 2)] and list(s.waiting) == [second]
+    out = run(s)  # s1 has its prompt: s2 is admitted
+    assert ("s2", 4) in ids(out)
+    lone = make(blocks=400)
+    a = Request("a", [1] * 8, SamplingParams())
+    b = Request("b", [1] * 8, SamplingParams(), prefill_after=a)
+    lone.add(b)
+    a.status = RequestStatus.FINISHED  # the first sample was aborted before it ran
+    assert ids(run(lone)) == [("b", 8)]
+
+
+def test_admission_to_the_last_token_of_the_budget():
+    """A decode leaves a budget of 3: a waiting prompt gets a chunk of 2, the next one the last
+    token (chunks of 1 are admitted)."""
+    s = make(blocks=400, max_num_batched_tokens=4)
+    s.add(Request("d", [1] * 4, SamplingParams()))
+    run(s)
+    s.add(Request("p", [2, 2], SamplingParams()))
+    s.add(Request("q", [3] * 5, SamplingParams()))
+    assert ids(s.schedule()) == [("d", 1), ("p", 2), ("q", 1)]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_the_whole_budget():
+    """Chunked prefill off: a prompt that does not fit the budget left waits (no blocks held);
+    one that fits it exactly is admitted."""
+    s = make(blocks=400, max_num_batched_tokens=8, max_model_len=8, enable_chunked_prefill=False)
+    s.add(Request("a", [1] * 3, SamplingParams()))
+    s.add(Request("b", [2] * 6, SamplingParams()))
+    out = s.schedule()
+    assert ids(out) == [("a", 3)] and [r.request_id for r in s.waiting] == ["b"]
+    assert s.waiting[0].block_tables.get("full", []) == [] and s.bm.pools["full"].num_free == 399
+    exact = make(blocks=400, max_num_batched_tokens=8, max_model_len=8, enable_chunked_prefill=False)
+    exact.add(Request("c", [3] * 7, SamplingParams()))
+    assert ids(exact.schedule()) == [("c", 7)]
+
+
+def test_a_request_that_finds_no_blocks_waits_with_nothing_computed():
+    """Prefix caching: a waiting prompt whose cached prefix hits but whose own blocks do not fit
+    is left waiting with no tokens computed and no blocks referenced; its first scheduled time
+    is set when it is admitted."""
+    bm = BlockManager({"full": 4}, BS, enable_prefix_caching=True)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), bm)
+    a = Request("a", [1] * 8 + [2], SamplingParams())
+    s.add(a)
+    run(s)
+    bm.cache_full_blocks(a)
+    t0 = a.first_scheduled_time
+    assert t0 is not None
+    b = Request("b", [1] * 8 + [3] * 9, SamplingParams())  # 2 blocks hit, 3 more needed, 1 free
+    s.add(b)
+    out = s.schedule()
+    assert [r for r, _ in out.scheduled] == [a] and s.waiting[0] is b
+    assert b.num_computed_tokens == 0 and b.block_tables["full"] == [] and b.first_scheduled_time is None
+    assert [bm.pools["full"].ref_cnt[x] for x in a.block_tables["full"]] == [1, 1, 1]
