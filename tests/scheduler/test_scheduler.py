@@ -175,6 +175,18 @@ def test_each_preemption_counts_once():
         reported += len(run(s).preempted)
     assert reported >= 2 and sum(r.num_preemptions for r in reqs) == reported
     assert [r.first_scheduled_time for r in reqs] == first  # kept over preemptions
+    again = make(blocks=6)
+    r0, r1, r2 = (Request(f"r{i}", [1] * 8, SamplingParams()) for i in range(3))
+    for r in (r0, r1, r2):
+        again.add(r)
+    run(again)
+    run(again)  # r0 needs a 3rd block: r2 is preempted
+    again.finish(r0)  # r2 comes back (3 blocks); r1 later needs a 4th
+    for _ in range(10):
+        run(again)
+        if r2.num_preemptions == 2:
+            break
+    assert r2.num_preemptions == 2 and r2.status == RequestStatus.WAITING
 
 
 def test_no_admission_in_a_step_that_preempted():
@@ -244,6 +256,8 @@ def test_lookahead_blocks_for_the_draft_model():
     _, req, _ = lookahead_step(0)
     assert len(req.block_tables["full"]) == 2
     _, req, _ = lookahead_step(5, max_model_len=10)  # 2 positions past the step to max_model_len
+    assert len(req.block_tables["full"]) == 3
+    _, req, _ = lookahead_step(9, max_model_len=12)  # positions up to 11: 3 blocks, not a 4th
     assert len(req.block_tables["full"]) == 3
     _, req, out = lookahead_step(5, blocks=2)  # the pool has only the 2 blocks the step needs
     assert out.scheduled == [(req, 1)] and len(req.block_tables["full"]) == 2 and not out.preempted
@@ -334,3 +348,16 @@ def test_a_request_that_finds_no_blocks_waits_with_nothing_computed():
     assert [r for r, _ in out.scheduled] == [a] and s.waiting[0] is b
     assert b.num_computed_tokens == 0 and b.block_tables["full"] == [] and b.first_scheduled_time is None
     assert [bm.pools["full"].ref_cnt[x] for x in a.block_tables["full"]] == [1, 1, 1]
+
+
+def test_a_decode_goes_before_an_older_requests_prefill_chunk():
+    """Running: P (older) with 2 prompt tokens to recompute, D (newer) decoding; a budget of 2:
+    D's token first, then 1 of P's (P with exactly 2 left is a prefill chunk, not a decode)."""
+    s = make(blocks=40)
+    p, d = Request("P", [1] * 6, SamplingParams()), Request("D", [2] * 3, SamplingParams())
+    s.add(p)
+    s.add(d)
+    run(s)
+    p.num_computed_tokens = p.num_tokens - 2
+    s.config.max_num_batched_tokens = 2
+    assert ids(s.schedule()) == [("D", 1), ("P", 1)]
