@@ -481,7 +481,7 @@ def test_a_bug_in_a_handler_is_an_openai_shaped_500(server, monkeypatch):
     def broken(body, rid):
         raise RuntimeError("a handler bug")
 
-    monkeypatch.setattr(srv, "_prepare_completion", broken)
+    monkeypatch.setattr(srv.mapping, "prepare_completion", broken)
     r = httpx.post(server.base + CMPL, json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
     assert "a handler bug" in r.json()["error"]["message"]

@@ -4,8 +4,9 @@
 
 /v1/completions and /v1/chat/completions (streamed as server-sent events ending in ``data:
 [DONE]``; ``n`` samples and batched prompts as choices), /v1/models, /health, /metrics
-(Prometheus), and vLLM's /tokenize, /detokenize and /tokenizer_info. Request handling is
-``serving.py``, response formatting ``response.py``, schemas ``protocol.py``. The engine steps in
+(Prometheus), and vLLM's /tokenize, /detokenize and /tokenizer_info. A body's engine requests
+are made in ``request_mapping.py``, the generation endpoints are ``serving.py``, the tokenizer
+ones ``serving_tokenization.py``, response formatting ``response.py``, schemas ``protocol.py``. The engine steps in
 its own thread; validation and tokenization run off the event loop; a client that disconnects,
 streaming or not, has its requests aborted and blocks freed. A request the engine fails gets its
 error and the engine keeps serving; if the engine thread dies, /health says 503, every request
@@ -47,6 +48,7 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.reasoning import PARSERS
 from fastdeploy.entrypoints.openai.serving import OpenAIServer
+from fastdeploy.entrypoints.openai.serving_tokenization import TokenizationServer
 from fastdeploy.worker.tp_worker import run_worker
 
 logger = logging.getLogger("fastdeploy")
@@ -66,6 +68,7 @@ def build_app(
     """The FastAPI app behind the Guard (API key, body limit); returns the ASGI app with
     ``.fastapi`` and ``.server`` attributes."""
     srv = OpenAIServer(engine, served_model_name, max_seqs_per_request, reasoning_parser)
+    tok = TokenizationServer(srv.mapping)
     app = FastAPI(title="fastdeploy-swa")
 
     @app.exception_handler(APIError)
@@ -110,15 +113,15 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return await run_in_threadpool(srv.tokenize, body)
+        return await run_in_threadpool(tok.tokenize, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return await run_in_threadpool(srv.detokenize, body)
+        return await run_in_threadpool(tok.detokenize, body)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        return srv.tokenizer_info()
+        return tok.tokenizer_info()
 
     @app.get("/v1/models")
     async def models():
