@@ -59,3 +59,24 @@ def test_block_scales_round_trip(shape, rng):
     np.testing.assert_allclose(back, values_by_definition()[codes] * full, rtol=1e-6)  # a float32 product
     with pytest.raises(ValueError, match="expected"):
         dequant_fp8_blocks(codes, scale[:, :1] if scale.shape[1] > 1 else scale[:0])
+
+
+def test_the_float64_reference_has_its_own_e4m3_and_torch_agrees(rng):
+    """The float64 reference model rounds to e4m3 with its own table and search (it imports no
+    code under test); both agree with torch's float8_e4m3fn cast, an implementation of the format
+    outside this project, on random values, every midpoint between neighbours (ties to the even
+    code) and the extremes."""
+    import torch
+
+    from fastdeploy.model_executor.models.deepseek_v3_reference import E4M3, e4m3_round
+
+    np.testing.assert_array_equal(E4M3, values_by_definition())
+    torch_table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
+    np.testing.assert_array_equal(E4M3, torch_table)
+    pos = E4M3[:127]
+    mids = (pos[:-1] + pos[1:]) / 2
+    x = np.concatenate([rng.uniform(-448, 448, 20000), rng.standard_normal(20000) * 1e-2, mids, -mids, [448, -448, 0]])
+    want = torch.tensor(x).to(torch.float8_e4m3fn).to(torch.float64).numpy()
+    np.testing.assert_array_equal(e4m3_round(x), want)
+    np.testing.assert_array_equal(E4M3_TO_F32[e4m3_encode(x)].astype(np.float64), want)
+    assert e4m3_round(x[:21].reshape(3, 7)).shape == (3, 7)

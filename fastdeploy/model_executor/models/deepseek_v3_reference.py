@@ -10,7 +10,6 @@ import math
 
 import numpy as np
 
-from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, e4m3_encode
 from fastdeploy.model_executor.safetensors_io import SafeTensorsFile
 
 
@@ -25,7 +24,7 @@ def load_np(model_dir: str) -> dict[str, np.ndarray]:
         if f.dtype(k) == "F8_E4M3":
             r, c = x.shape
             s = np.repeat(np.repeat(f.get(k + "_scale_inv").astype(np.float64), 128, 0), 128, 1)[:r, :c]
-            x = E4M3_TO_F32[x].astype(np.float64) * s
+            x = E4M3[x] * s
         out[k] = x.astype(np.float64)
     return out
 
@@ -120,9 +119,33 @@ def mlp(x, w, p, act_fp8=False):
     return proj(silu(gate) * up, w, p + "down_proj.weight", act_fp8)
 
 
+def _e4m3_value(code: int) -> float:
+    """One e4m3fn code's value from its bit fields: sign, 4 exponent bits (bias 7), 3 mantissa
+    bits; exponent 0 is subnormal (m / 8 * 2^-6); 0x7F and 0xFF are NaN, there is no infinity."""
+    sign = -1.0 if code & 0x80 else 1.0
+    e, m = (code >> 3) & 0xF, code & 0x7
+    if e == 15 and m == 7:
+        return math.nan
+    return sign * (math.ldexp(m, -9) if e == 0 else math.ldexp(8 + m, e - 10))
+
+
+E4M3 = np.array([_e4m3_value(c) for c in range(256)])  # float64, indexed by code
+_E4M3_POS = E4M3[:127]  # codes 0..126: the finite non-negative values, ascending
+
+
 def e4m3_round(y: np.ndarray) -> np.ndarray:
-    """The nearest e4m3fn value to y (|y| <= 448), ties to the even code (``fp8_numerics``)."""
-    return E4M3_TO_F32[e4m3_encode(y)].astype(np.float64)
+    """The nearest e4m3fn value to y (|y| <= 448), ties to the even code, found by comparing
+    |y| with each of the 127 non-negative values (in slices, to bound the memory)."""
+    a = np.abs(np.asarray(y, np.float64)).ravel()
+    out = np.empty_like(a)
+    even = np.arange(127) % 2 == 0
+    for i in range(0, a.size, 1 << 15):
+        d = np.abs(a[i : i + (1 << 15), None] - _E4M3_POS)
+        tie = d == d.min(1, keepdims=True)
+        pick = np.where((tie & even).any(1), (tie & even).argmax(1), tie.argmax(1))
+        out[i : i + (1 << 15)] = _E4M3_POS[pick]
+    out = out.reshape(np.shape(y))
+    return np.where(np.asarray(y) < 0, -out, out)
 
 
 def fp8_record_roundtrip(kv_c: np.ndarray, k_pe: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
