@@ -160,7 +160,7 @@ def test_all_swa_model_has_no_full_pool():
     for _ in range(10 * W // 16):
         step(bm, req, 16)
     assert len(held(req, "swa")) <= bound(16) and "full" not in req.block_tables
-    with pytest.raises(ValueError, match="sliding_window"):
+    with pytest.raises(ValueError, match="^an SWA block pool needs the sliding_window$"):
         BlockManager({"swa": 6}, BS)
 
 
@@ -260,3 +260,86 @@ def test_two_copies_of_a_block_keep_the_first_registered_until_it_is_evicted():
     assert sorted(filler.block_tables["full"]) == sorted(full_b)
     c = request(tokens + [5], "c")
     assert bm.match_prefix(c) == 2 * BS and c.block_tables["full"] == full_a
+
+
+def test_a_full_attention_model_releases_nothing():
+    """No SWA pool (or release switched off): allocate grows the tables, release returns 0."""
+    bm = BlockManager({"full": 10}, BS)
+    req = request(range(5 * BS))
+    for _ in range(5):
+        step(bm, req, BS)
+        assert bm.release(req) == 0
+    assert req.block_tables == {"full": req.block_tables["full"]} and len(held(req, "full")) == 5
+    kept = BlockManager({"full": 20, "swa": 20}, BS, sliding_window=W)
+    kept.release_swa = False
+    r = request(range(8 * BS))
+    for _ in range(8):
+        step(kept, r, BS)
+        assert kept.release(r) == 0
+    assert len(held(r, "swa")) == 8 and kept.swa_blocks_released == 0
+
+
+def test_first_visible_block_at_block_size_one():
+    bm = BlockManager({"swa": 8}, 1, sliding_window=4)
+    assert [bm.first_visible_block(p) for p in range(8)] == [0, 0, 0, 0, 1, 2, 3, 4]  # p - W + 1, floor 0
+
+
+def test_hit_counters_add_up_over_requests():
+    """prefix_hits (tokens) and prefix_hit_blocks (per group) sum over every hit."""
+    bm = BlockManager({"full": 40, "swa": 40}, BS, enable_prefix_caching=True, sliding_window=W)
+    finished(bm, range(900, 980), "a")  # 5 blocks
+    assert bm.prefix_hits == 0 and bm.prefix_hit_blocks == {"full": 0, "swa": 0}
+    finished(bm, list(range(900, 948)) + [1], "b")  # 3 blocks hit; the window of 48 is blocks 1, 2
+    assert bm.prefix_hits == 48 and bm.prefix_hit_blocks == {"full": 3, "swa": 2}
+    finished(bm, list(range(900, 932)) + [2], "c")  # 2 blocks hit; the window of 32 is blocks 0, 1
+    assert bm.prefix_hits == 80 and bm.prefix_hit_blocks == {"full": 5, "swa": 4}
+
+
+def _evict(pool, b: int) -> None:
+    """Hand out block b (the next take evicts it), as another request's allocation would."""
+    pool.free.move_to_end(b, last=False)
+    assert pool.take() == b
+
+
+def test_a_hit_needs_only_the_window_before_it():
+    """Evicted SWA blocks before the window of the hit point do not shorten the hit; one evicted
+    block inside it shortens the hit by exactly as much as it must."""
+    bm = BlockManager({"full": 40, "swa": 40}, BS, enable_prefix_caching=True, sliding_window=W)
+    tokens = list(range(1000, 1080))  # 5 blocks
+    a = request(tokens, "a")
+    step(bm, a, a.num_tokens)
+    swa_a = list(a.block_tables["swa"])
+    bm.free_request(a)
+    _evict(bm.pools["swa"], swa_a[0])  # before the window of 64 and of 80
+    _evict(bm.pools["swa"], swa_a[1])
+    b = request(tokens + [1], "b")
+    assert bm.match_prefix(b) == 5 * BS  # the window of 80 is blocks 3, 4
+    assert b.block_tables["swa"] == [-1, -1, -1, swa_a[3], swa_a[4]]
+    bm.free_request(b)
+    _evict(bm.pools["swa"], swa_a[4])  # the hit at 80 loses its window; the one at 64 keeps blocks 2, 3
+    c = request(tokens + [1], "c")
+    assert bm.match_prefix(c) == 4 * BS
+
+
+def test_no_hit_when_the_first_swa_block_is_gone():
+    """A prompt whose full blocks are cached but whose SWA block 0 was handed out: the hit at one
+    block needs SWA block 0 (positions 0..15), so there is no hit at all."""
+    bm = BlockManager({"full": 40, "swa": 40}, BS, enable_prefix_caching=True, sliding_window=W)
+    tokens = list(range(1100, 1132))  # 2 blocks
+    a = request(tokens, "a")
+    step(bm, a, a.num_tokens)
+    swa0 = a.block_tables["swa"][0]
+    bm.free_request(a)
+    _evict(bm.pools["swa"], swa0)
+    b = request(tokens[:16] + [5, 6], "b")  # one block to hit
+    assert bm.match_prefix(b) == 0 and b.block_tables == {"full": [], "swa": []}
+
+
+def test_a_handed_out_block_is_cached_again_under_its_new_content():
+    """A block evicted from the cache and reused registers its new content for later hits."""
+    bm = BlockManager({"full": 2, "swa": 2}, BS, enable_prefix_caching=True, sliding_window=W)
+    finished(bm, range(1200, 1232), "a")
+    finished(bm, range(1300, 1332), "b")  # takes (evicts) a's two blocks, registers its own content
+    c = request(list(range(1300, 1332)) + [1], "c")
+    assert bm.match_prefix(c) == 2 * BS
+    assert bm.match_prefix(request(list(range(1200, 1232)) + [1], "d")) == 0

@@ -16,8 +16,6 @@ from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.model_executor.models.deepseek_v3_reference import forward, load_np
 from fastdeploy.tools.make_tiny_model import make_tiny_model
 
-lm_eval = pytest.importorskip("lm_eval")
-
 QUESTIONS = [
     ("The sky is", ["blue", "green", "made of cheese and a very long answer"], 0),
     ("One plus one is", ["two", "three"], 1),
