@@ -99,6 +99,9 @@ def _scratch(name: str, timeout_multiplier: float | None = None) -> Path:
     if timeout_multiplier is not None:
         narrowed = re.sub(r"timeout_multiplier = [0-9.]+", f"timeout_multiplier = {timeout_multiplier}", narrowed)
     (work / "pyproject.toml").write_text(text.replace(block.group(0), narrowed))
+    # mutmut re-collects which tests run which function only for new test names; a changed test
+    # body keeps its old association, so collect afresh every run (the results are kept)
+    (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     return work
 
 

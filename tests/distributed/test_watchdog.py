@@ -154,7 +154,7 @@ def test_the_timeouts_start_after_exactly_dist_timeout():
             "tensor-parallel rank 1 sent no liveness beat for over 2 s (stopped or hung; --dist-timeout)"
         )
         dog.stop()
-        started = time.monotonic()
+        started = float(int(time.monotonic()) + 5)  # a step that starts after the watchdog; + 2.0 is exact
         dog = RankWatchdog([], lambda: started, 2.0, lambda why: None, interval=3600)
         assert dog.check(started + 2.0) is None
         assert dog.check(started + 2.001) == (
@@ -186,14 +186,25 @@ def test_a_computing_driver_without_beats_keeps_a_long_step_alive():
 
 
 def test_a_watchdog_never_keeps_the_process_alive():
-    """A process that exits without stopping its watchdog exits at once (the thread is a daemon)."""
+    """A watchdog here stops when asked; a process that exits without stopping its watchdog
+    exits at once (the thread is a daemon)."""
     import subprocess
     import sys
+
+    here = RankWatchdog([], lambda: None, 60.0, print, interval=0.05)
+    here.stop()
+    here.thread.join(timeout=5)
+    assert not here.thread.is_alive()
 
     code = (
         "from fastdeploy.distributed.watchdog import RankWatchdog\n"
         "RankWatchdog([], lambda: None, 60.0, print, interval=0.05)\n"
     )
+    import fastdeploy
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fastdeploy.__file__)))  # the code under test
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", code], timeout=20, capture_output=True)
+    p = subprocess.run(
+        [sys.executable, "-c", code], timeout=20, capture_output=True, env={**os.environ, "PYTHONPATH": root}
+    )
     assert p.returncode == 0 and time.monotonic() - t0 < 15
