@@ -81,7 +81,7 @@ class GrammarEngine:
 
 
 def _is_byte_level(hf) -> bool:
-    return json.loads(hf.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+    return (json.loads(hf.to_str()).get("decoder") or {}).get("type") == "ByteLevel"  # "decoder": null too
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -130,6 +130,10 @@ def _grammar(kind: str, spec: str) -> str:
             raise ValueError(f"not JSON: {e}") from None
         if not isinstance(schema, dict) and not isinstance(schema, bool):
             raise ValueError("a JSON Schema is an object (or true / false)")
+        if schema is False:
+            raise ValueError("the JSON Schema false accepts no value")
+        if schema is True:
+            schema = {}  # any JSON value (llguidance applies its options to object schemas only)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})

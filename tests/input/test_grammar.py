@@ -118,10 +118,13 @@ def test_packed_mask_equals_llguidance_byte_mask(engine):
     [
         ("json", '{"type": "nope"}', "nope"),
         ("json", "{not json", "not JSON"),
-        ("json", "[1]", "object"),
+        ("json", "[1]", r"^a JSON Schema is an object \(or true / false\)$"),
+        ("json", "3", r"^a JSON Schema is an object \(or true / false\)$"),
+        ("json", "false", "^the JSON Schema false accepts no value$"),
         ("regex", "(", "not a regular expression"),
-        ("choice", "[]", "non-empty"),
-        ("choice", "[1]", "strings"),
+        ("choice", "[]", "^choices must be a non-empty list of strings$"),
+        ("choice", "[1]", "^choices must be a non-empty list of strings$"),
+        ("lark", "start: <[999999]>", "Token range end too large"),  # checked against the tokenizer
         ("lark", "start: undefined_rule", "undefined_rule"),
         ("xml", "x", "unknown constraint kind"),
     ],
@@ -130,6 +133,16 @@ def test_bad_constraints_say_why(engine, kind, spec, msg):
     eng, _ = engine
     with pytest.raises(ValueError, match=msg):
         eng.compile(kind, spec)
+    assert eng.compile("lark", "start: <[5]>")  # a token id inside the vocabulary is fine
+
+
+def test_the_schema_true_accepts_any_json_value(engine):
+    eng, tok = engine
+    texts = [walk(eng, tok, "json", "true", seed, limit=400) for seed in range(8)]
+    done = [t for t in texts if t is not None]
+    assert len(done) >= 4
+    for t in done:
+        json.loads(t)  # each finished walk is one JSON value
 
 
 def test_compiled_grammars_are_cached(engine, monkeypatch):
@@ -167,3 +180,20 @@ def test_added_tokens_match_as_their_text_and_special_ones_never(engine):
     plain = tok.encode(" ab", add_special_tokens=False)  # a byte-level token with a leading space
     m = eng.matcher(eng.compile("regex", " ab"))
     assert allowed_tokens([m], eng.vocab_size)[0][plain[0]]
+
+
+def test_a_tokenizer_with_a_null_decoder_is_a_clear_error(tmp_path):
+    """A word-level tokenizer whose ``decoder`` is null is not byte-level, so llguidance reads its
+    JSON itself, and says it cannot (a ValueError naming the decoder; an AttributeError before)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    words = ["<eos>", "yes", "no"]
+    hf = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<eos>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    assert json.loads((tmp_path / "tokenizer.json").read_text()).get("decoder") is None  # saved as null
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    eng = GrammarEngine(Tokenizer(str(tmp_path)), len(words))
+    with pytest.raises(ValueError, match="decoder"):
+        eng.compile("regex", "(yes|no)")
