@@ -197,3 +197,20 @@ def test_a_tokenizer_with_a_null_decoder_is_a_clear_error(tmp_path):
     eng = GrammarEngine(Tokenizer(str(tmp_path)), len(words))
     with pytest.raises(ValueError, match="decoder"):
         eng.compile("regex", "(yes|no)")
+
+
+def test_token_bytes_holes_and_a_smaller_model_vocabulary(engine):
+    """llguidance's view of the tokenizer: bytes that llguidance tokenizes as the tokenizer does,
+    invalid UTF-8 included; the model's ids past the tokenizer's (528 against 514) are never
+    allowed; an engine over fewer ids than the tokenizer has sees each of them as the full one."""
+    eng, tok = engine
+    for text in ("hello world", " ab", "tabs\tand\nlines"):
+        assert eng.lltok.tokenize_bytes(text.encode()) == tok.encode(text, add_special_tokens=False)
+    ids = eng.lltok.tokenize_bytes(b"ab\xffcd")  # not UTF-8: the byte is replaced, not an error
+    assert tok.decode(ids) == "ab\ufffdcd"
+    holes = list(range(tok.vocab_size, eng.vocab_size))
+    assert holes
+    m = eng.matcher(eng.compile("regex", "[A-Z]+"))
+    assert not allowed_tokens([m], eng.vocab_size)[0][holes].any()
+    small = GrammarEngine(tok, 400)
+    assert [small.lltok.decode_bytes([i]) for i in range(400)] == [eng.lltok.decode_bytes([i]) for i in range(400)]
