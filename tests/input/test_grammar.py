@@ -214,3 +214,27 @@ def test_token_bytes_holes_and_a_smaller_model_vocabulary(engine):
     assert not allowed_tokens([m], eng.vocab_size)[0][holes].any()
     small = GrammarEngine(tok, 400)
     assert [small.lltok.decode_bytes([i]) for i in range(400)] == [eng.lltok.decode_bytes([i]) for i in range(400)]
+
+
+def test_a_tokenizer_that_adds_bos_still_tokenizes_bare_bytes_for_llguidance(tmp_path):
+    """A tokenizer.json whose post-processor adds BOS (as real checkpoints' may): llguidance's
+    tokenization of bytes must not carry it."""
+    import shutil
+
+    src = resolve_model("tiny-mla-swa")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{src}/{name}", tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    bos = json.loads((tmp_path / "tokenizer_config.json").read_text())["bos_token"]
+    bos_id = spec["added_tokens"][[t["content"] for t in spec["added_tokens"]].index(bos)]["id"]
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = Tokenizer(str(tmp_path))
+    assert tok.tok.encode("hello", add_special_tokens=True).ids[0] == bos_id  # the post-processor is live
+    eng = GrammarEngine(tok, json.loads(open(f"{src}/config.json").read())["vocab_size"])
+    assert eng.lltok.tokenize_bytes(b"hello world") == tok.encode("hello world", add_special_tokens=False)
