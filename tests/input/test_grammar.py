@@ -238,3 +238,14 @@ def test_a_tokenizer_that_adds_bos_still_tokenizes_bare_bytes_for_llguidance(tmp
     assert tok.tok.encode("hello", add_special_tokens=True).ids[0] == bos_id  # the post-processor is live
     eng = GrammarEngine(tok, json.loads(open(f"{src}/config.json").read())["vocab_size"])
     assert eng.lltok.tokenize_bytes(b"hello world") == tok.encode("hello world", add_special_tokens=False)
+
+
+def test_the_packed_mask_has_one_word_per_32_tokens(engine):
+    """ceil(V / 32) words a row, also where V is a multiple of 32 (DeepSeek-V3's 129,280 is)."""
+    eng, tok = engine
+    for vocab in (512, 528):
+        small = GrammarEngine(tok, vocab)
+        m = small.matcher(small.compile("regex", "[a-z]+"))
+        bits = token_bitmask([m], vocab)
+        assert bits.shape == (1, -(-vocab // 32))
+        assert unpack_bitmask(bits, vocab)[0].any()
