@@ -32,7 +32,7 @@ from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, swa_blocks_per
 from fastdeploy.model_executor.models.deepseek_v3 import layer_kv_specs  # noqa: E402
 from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model  # noqa: E402
 from fastdeploy.request import Request  # noqa: E402
-from fastdeploy.worker.gpu_model_runner import group_bytes_per_block  # noqa: E402
+from fastdeploy.worker.kv_sizing import group_bytes_per_block  # noqa: E402
 
 GiB = 2**30
 DSV3 = dict(num_hidden_layers=61, sliding_window=4096, window_attn_skip_freq=4)  # the rest: DeepSeek-V3's defaults

@@ -33,7 +33,7 @@ from fastdeploy.config import (
 )
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
-from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, plan_kv_blocks, pool_budget
+from fastdeploy.worker.kv_sizing import group_bytes_per_block, plan_kv_blocks, pool_budget
 
 
 def held_bytes(fd: FDConfig, dtype: str, tp_size: int, quantization: str) -> int:

@@ -30,6 +30,7 @@ import numpy as np
 import paddle
 
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
+from fastdeploy.worker.step_inputs import StepInputs
 
 logger = logging.getLogger("fastdeploy")
 
@@ -58,16 +59,15 @@ class DecodeGraphs:
         self.outputs: dict[int, paddle.Tensor] = {}
         self.replays = 0  # steps run captured
 
-    def takes(self, step: dict) -> bool:
+    def takes(self, step: StepInputs) -> bool:
         """Whether ``step`` runs captured: a pure-decode step already padded to a bucket whose
         every sampled row is its own (no drafts), with no prompt logprobs and tables that fit."""
-        B = len(step["seq_lens_encoder"])
         return (
-            B in self.buckets
-            and not any(step["seq_lens_encoder"])
-            and not (step.get("prompt_logprobs") or {}).get("rows")
-            and all(len(r) == 1 for r in step["sample_rows"])
-            and all(len(row) <= self.width for rows in step["block_tables"].values() for row in rows)
+            step.batch_size in self.buckets
+            and step.is_decode
+            and not step.prompt_logprobs.rows
+            and all(len(r) == 1 for r in step.sample_rows)
+            and all(len(row) <= self.width for rows in step.block_tables.values() for row in rows)
         )
 
     def host_buffer(self, ids: list[int], positions: list[int], tables: dict[str, list[list[int]]]) -> np.ndarray:
@@ -129,11 +129,11 @@ class DecodeGraphs:
                 mem,
             )
 
-    def run(self, step: dict) -> paddle.Tensor:
+    def run(self, step: StepInputs) -> paddle.Tensor:
         """Logits [B, vocab] of a step ``takes`` accepted: one copy into ``staging``, then the
         bucket's replay (or its body)."""
-        B = len(step["seq_lens_encoder"])
-        self.fill(self.host_buffer(step["input_ids"], step["seq_lens_decoder"], step["block_tables"]), B)
+        B = step.batch_size
+        self.fill(self.host_buffer(step.input_ids, step.seq_lens_decoder, step.block_tables), B)
         self.replays += 1
         if B in self.graphs:
             self.graphs[B].replay()

@@ -18,6 +18,7 @@ from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.request import Request
+from fastdeploy.worker.step_inputs import DraftStep, StepInputs
 
 Results = list[list[SampleResult] | Exception | None]
 
@@ -63,21 +64,21 @@ class MTPProposer:
         self.model = DeepseekV3MTP(mc, dtype, fd.kernel_config, target, tp, fd.cache_config.kv_cache_dtype)
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, None, tp.is_driver)
-        self.last_step: tuple[dict, ForwardMeta, paddle.Tensor] | None = None
+        self.last_step: tuple[StepInputs, ForwardMeta, paddle.Tensor] | None = None
 
-    def remember(self, step: dict, meta: ForwardMeta, hidden: paddle.Tensor) -> None:
+    def remember(self, step: StepInputs, meta: ForwardMeta, hidden: paddle.Tensor) -> None:
         self.last_step = (step, meta, hidden)
 
     def plan(
         self, scheduled: list[tuple[Request, int]], results: Results, covered: Callable[[Request], int]
-    ) -> tuple[dict, list[Request]]:
+    ) -> tuple[DraftStep, list[Request]]:
         """The driver, after the latest step: the draft message every rank runs, and the
         requests that draft. A request drafts from the row of its last accepted token, as deep
         as ``k``, its room (max_tokens, max_model_len) and its blocks (``covered``: the tokens
         its tables hold) allow; never under a structured-output grammar (its tokens are masked
         one by one)."""
         step = self.last_step[0]
-        next_ids = [0] * len(step["input_ids"])
+        next_ids = [0] * len(step.input_ids)
         rows, batch, pos, depth, drafting = [], [], [], [], []
         row = 0
         for b, ((req, n), res) in enumerate(zip(scheduled, results, strict=True)):
@@ -96,28 +97,28 @@ class MTPProposer:
                     depth.append(d)
                     drafting.append(req)
             row += n
-        return {"next_ids": next_ids, "rows": rows, "batch": batch, "pos": pos, "depth": depth}, drafting
+        return DraftStep(next_ids, rows, batch, pos, depth), drafting
 
-    def draft(self, msg: dict, cache: paddle.Tensor, builder: ForwardMetaBuilder) -> np.ndarray:
+    def draft(self, msg: DraftStep, cache: paddle.Tensor, builder: ForwardMetaBuilder) -> np.ndarray:
         """Every rank: the draft model over the latest step (its meta and the target's hidden
         states), each row reading the token after it (``next_ids``); then for each drafting
         request (``rows``: its row of the step, ``pos``: that row's position) ``depth`` - 1 more
         one-token passes on its own drafts at positions pos + 1, ... (their KV is rewritten when
         the target computes those positions). Arg-max drafts int64 [D, k], -1 past a request's depth."""
         step, meta, hidden = self.last_step
-        out = np.full((len(msg["rows"]), self.k), -1, np.int64)
-        if not msg["rows"]:
+        out = np.full((len(msg.rows), self.k), -1, np.int64)
+        if not msg.rows:
             return out
-        x = self.model(paddle.to_tensor(msg["next_ids"], dtype="int64"), hidden, meta, cache)
-        rows = paddle.to_tensor(msg["rows"], dtype="int64")
+        x = self.model(paddle.to_tensor(msg.next_ids, dtype="int64"), hidden, meta, cache)
+        rows = paddle.to_tensor(msg.rows, dtype="int64")
         out[:, 0] = paddle.argmax(self.model.compute_logits(x, rows), axis=1).numpy()
         x, live = x[rows], list(range(len(rows)))
-        for j in range(1, max(msg["depth"])):
-            keep = [i for i, li in enumerate(live) if msg["depth"][li] > j]
+        for j in range(1, max(msg.depth)):
+            keep = [i for i, li in enumerate(live) if msg.depth[li] > j]
             live = [live[i] for i in keep]
             x = x[paddle.to_tensor(keep, dtype="int64")]
-            tables = {g: [t[msg["batch"][li]] for li in live] for g, t in step["block_tables"].items()}
-            pos = [msg["pos"][li] + j for li in live]
+            tables = {g: [t[msg.batch[li]] for li in live] for g, t in step.block_tables.items()}
+            pos = [msg.pos[li] + j for li in live]
             meta = builder.build(out[live, j - 1], [0] * len(live), pos, tables)
             x = self.model(paddle.to_tensor(out[live, j - 1]), x, meta, cache)
             out[live, j] = paddle.argmax(self.model.compute_logits(x, paddle.arange(len(live))), axis=1).numpy()

@@ -7,6 +7,8 @@ to 1e-5; over many steps that rounding feeds back through the KV, so KV and logp
 crossings (sequences >= 2W + a block, W = 32, block 16), SWA block release, preemption, prefix
 hits and an n > 1 sibling; and the decode step never syncs the host."""
 
+from dataclasses import replace
+
 import numpy as np
 import paddle
 import pytest
@@ -14,6 +16,8 @@ import pytest
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.config import SchedulerConfig
 from fastdeploy.engine.args import batch_sizes
+from fastdeploy.worker.prompt_logprobs import PromptLogprobRows
+from fastdeploy.worker.step_inputs import StepInputs
 
 
 def engines(model_dir, capture=False, **kw):
@@ -104,7 +108,7 @@ def test_padding_rows_run_as_the_bucket_and_write_the_null_block(tiny_model_dir,
     inner = runner.run_step
 
     def run_step(step):
-        rows.append((len(step["seq_lens_encoder"]), len(step["samples_at"])))
+        rows.append((step.batch_size, len(step.samples_at)))
         return inner(step)
 
     runner.run_step = run_step
@@ -133,7 +137,7 @@ def test_one_padded_step_gives_the_same_logits(tiny_model_dir, rng):
     plain = runner.step_inputs(sched)
     eng.config.scheduler_config.cuda_graph_batch_sizes = (4,)
     padded = runner.step_inputs(sched)
-    assert len(plain["input_ids"]) == 3 and len(padded["input_ids"]) == 4 and padded["samples_at"] == [0, 1, 2]
+    assert len(plain.input_ids) == 3 and len(padded.input_ids) == 4 and padded.samples_at == [0, 1, 2]
     want = runner.run_step(plain)[0].numpy().astype(np.float64)
     np.testing.assert_allclose(runner.run_step(padded)[0].numpy(), want, rtol=0, atol=1e-5)
 
@@ -346,12 +350,13 @@ def test_capture_settings(tiny_model_dir, mtp_model_dir, rng, caplog):
             done.update({o.request_id: o.outputs[0].token_ids for o in e.step()})
         outs.append(done)
     assert outs[0] == outs[1] and eng.runner.graphs.replays == 0
-    step = {"seq_lens_encoder": [0, 0], "sample_rows": [[0], [1]], "block_tables": {"full": [[1], [2]]}}
+    step = StepInputs([5, 6], [0, 0], [3, 4], {"full": [[1], [2]]}, [0, 1], [[0], [1]])
     graphs = eng.runner.graphs
     assert graphs.takes(step)
-    assert not graphs.takes({**step, "prompt_logprobs": {"rows": [0]}})
-    assert not graphs.takes({**step, "seq_lens_encoder": [0, 3]})
-    assert not graphs.takes({**step, "block_tables": {"full": [[1], [2] * (graphs.width + 1)]}})
+    assert not graphs.takes(replace(step, prompt_logprobs=PromptLogprobRows([0], [7], 0)))
+    assert not graphs.takes(replace(step, seq_lens_encoder=[0, 3]))
+    assert not graphs.takes(replace(step, block_tables={"full": [[1], [2] * (graphs.width + 1)]}))
+    assert not graphs.takes(replace(step, sample_rows=[[0], [1, 2]]))
 
 
 def test_one_copy_fills_the_step_buffer(tiny_model_dir):

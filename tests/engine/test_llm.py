@@ -7,7 +7,7 @@ from fastdeploy import LLM, SamplingParams
 from fastdeploy.config import FDConfig, KernelConfig, ModelConfig
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.model_executor.models.deepseek_v3 import layer_kv_specs
-from fastdeploy.worker.gpu_model_runner import group_bytes_per_block, num_blocks_for
+from fastdeploy.worker.kv_sizing import group_bytes_per_block, num_blocks_for
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

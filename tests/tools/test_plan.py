@@ -10,7 +10,7 @@ from fastdeploy.config import KernelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.tools import plan as planner
-from fastdeploy.worker.gpu_model_runner import CPU_KV_CACHE_BYTES
+from fastdeploy.worker.kv_sizing import CPU_KV_CACHE_BYTES
 
 
 def nbytes(t: paddle.Tensor) -> int:

@@ -1,0 +1,85 @@
+"""The typed step: what the driver broadcasts and every rank builds ForwardMeta from.
+
+``StepInputs`` is one scheduled step's host arrays (``build_step_inputs`` makes it from the
+scheduler's output); ``DraftStep`` is the driver's draft-pass message (docs/design.md §4.16).
+Both are frozen: the runner, ``DecodeGraphs`` and the MTP proposer read them, never write them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastdeploy.request import Request
+from fastdeploy.worker.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step over B rows (requests, then padding rows of a bucketed decode). Per row:
+    ``input_ids`` the step's tokens (all rows' chunks concatenated), ``seq_lens_encoder`` the
+    chunk length (0 for a decode), ``seq_lens_decoder`` the tokens already cached,
+    ``block_tables[g]`` its block ids in KV cache group g. ``samples_at``: the scheduled requests
+    that sample (indices into the scheduled list); ``sample_rows[i]``: the token rows the i-th of
+    them samples at (one, or m + 1 when it verifies m drafts)."""
+
+    input_ids: list[int]
+    seq_lens_encoder: list[int]
+    seq_lens_decoder: list[int]
+    block_tables: dict[str, list[list[int]]]
+    samples_at: list[int]
+    sample_rows: list[list[int]]
+    prompt_logprobs: PromptLogprobRows = field(default_factory=PromptLogprobRows)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_encoder)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row computes one cached-context token (a bucketed decode step)."""
+        return not any(self.seq_lens_encoder)
+
+
+@dataclass(frozen=True)
+class DraftStep:
+    """The draft pass over the latest step (``MTPProposer.draft``): ``next_ids`` the token after
+    each of its rows (0 where not known); per drafting request its row, batch index, the row's
+    position and how many drafts it takes."""
+
+    next_ids: list[int]
+    rows: list[int]
+    batch: list[int]
+    pos: list[int]
+    depth: list[int]
+
+
+def build_step_inputs(
+    scheduled: list[tuple[Request, int]], null_block: dict[str, int], bucket_for: Callable[[int], int]
+) -> StepInputs:
+    """The step of ``scheduled`` (request, tokens this step). A request verifying m drafts
+    (docs/design.md §4.16) computes its last token and the drafts as a chunk of m + 1 tokens and
+    samples at each of them. A pure-decode step is padded to its bucket (``bucket_for``) with rows
+    of one token at position 0 whose every table is the group's null block; they never sample."""
+    ids, enc, dec, sample_rows, samples_at, row = [], [], [], [], [], 0
+    tables: dict[str, list[list[int]]] = {g: [] for g in null_block}
+    for i, (req, n) in enumerate(scheduled):
+        start, m = req.num_computed_tokens, req.num_drafts(n)
+        ids.extend(req.all_token_ids[start : start + n - m] + req.draft_token_ids[:m])
+        is_decode = n == 1 and req.output_token_ids and start == req.num_tokens - 1
+        enc.append(0 if is_decode else n)
+        dec.append(start)
+        for g, rows in tables.items():
+            rows.append(req.block_tables[g])
+        if start + n - m == req.num_tokens:
+            samples_at.append(i)
+            sample_rows.append(list(range(row + n - m - 1, row + n)))
+        row += n
+    if not any(enc):
+        pad = bucket_for(len(scheduled)) - len(scheduled)
+        ids += [0] * pad
+        enc += [0] * pad
+        dec += [0] * pad
+        for g, rows in tables.items():
+            rows += [[null_block[g]]] * pad
+    return StepInputs(ids, enc, dec, tables, samples_at, sample_rows, prompt_logprob_rows(scheduled))
