@@ -5,12 +5,13 @@ from __future__ import annotations
 import enum
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from fastdeploy.sampling_params import SamplingParams, SamplingState
+from fastdeploy.sampling_params import SamplingBatch, SamplingParams, SamplingState
 
 
 class RequestStatus(enum.Enum):
@@ -145,3 +146,14 @@ class Request:
             self.prompt_logprobs,  # not copied: complete once the prompt is computed, then unchanged
             self.prompt_ranks,
         )
+
+
+def sampling_batch(reqs: Sequence[Request], pending: Sequence[list[int]] | None = None) -> SamplingBatch:
+    """The sampler's view of ``reqs``; ``pending[b]``: tokens of request b accepted in this step
+    before the row it samples (speculative verification), counted as its output."""
+    return SamplingBatch(
+        [r.request_id for r in reqs],
+        [r.sampling_state for r in reqs],
+        [r.prompt_token_ids for r in reqs],
+        [r.output_token_ids + list(pending[b]) if pending else list(r.output_token_ids) for b, r in enumerate(reqs)],
+    )

@@ -1,10 +1,12 @@
 """SamplingParams (vLLM's names and defaults; a bad value is a ValueError whose message starts
-with the field's name), and SamplingState, what the sampler keeps of them per request."""
+with the field's name), SamplingState, what the sampler keeps of them per request, and
+SamplingBatch, what the sampler reads of a step's sampled rows."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,3 +144,19 @@ class SamplingState:
     def penalized(self) -> bool:
         """Whether sampling reads the request's token counts."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """The rows one sampler call draws, one per request: ``keys`` the requests' ids (a penalty
+    count slot belongs to one), ``states`` their SamplingState (one object a request: the device
+    sampler knows a slot's owner by it), ``prompt_ids`` their prompts and ``output_ids`` their
+    output so far, with the tokens accepted earlier in this step (speculative verification)."""
+
+    keys: list[str]
+    states: list[SamplingState]
+    prompt_ids: list[Sequence[int]]
+    output_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.keys)

@@ -17,7 +17,7 @@ from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
-from fastdeploy.request import Request
+from fastdeploy.request import Request, sampling_batch
 from fastdeploy.worker.step_inputs import DraftStep, StepInputs
 
 Results = list[list[SampleResult] | Exception | None]
@@ -41,7 +41,7 @@ def verify_drafts(
         pending = [[r.token_id for r in out[b]] for b in live]
         rows = logits if j == 0 and len(live) == logits.shape[0] else logits[idx]
         nxt = []
-        for b, r in zip(live, sampler.sample(rows, [reqs[b] for b in live], pending), strict=True):
+        for b, r in zip(live, sampler.sample(rows, sampling_batch([reqs[b] for b in live], pending)), strict=True):
             if isinstance(r, Exception):
                 if not out[b]:  # else the tokens accepted before it stand
                     out[b] = r

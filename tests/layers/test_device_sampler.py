@@ -10,7 +10,7 @@ import pytest
 
 from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
 from fastdeploy.model_executor.layers.sampler import sample_one
-from fastdeploy.request import Request
+from fastdeploy.request import Request, sampling_batch
 from fastdeploy.sampling_params import SamplingParams
 
 V = 64
@@ -25,7 +25,7 @@ def request(rid: str, prompt: list[int], output: list[int], eos: tuple[int, ...]
 def check(sampler: DeviceSampler, logits: np.ndarray, reqs: list[Request], pending=None) -> list[int]:
     """Sample logits float32 [B, V] for reqs; each row's token, logprob and top logprobs equal
     the numpy sampler's over the same history (output plus ``pending``). Returns the tokens."""
-    got = sampler.sample(paddle.to_tensor(logits), reqs, pending)
+    got = sampler.sample(paddle.to_tensor(logits), sampling_batch(reqs, pending))
     tokens = []
     for b, (req, res) in enumerate(zip(reqs, got, strict=True)):
         out = req.output_token_ids + (list(pending[b]) if pending else [])
@@ -68,7 +68,10 @@ def test_logprobs_0_1_and_20_give_that_many_alternatives(rng, triton):
         low = int(np.argmin(logits[b]))
         reqs.append(request(f"lp{n}", [1], [], logprobs=n, logit_bias={low: 100.0}))
     check(DeviceSampler(V, 4, triton), logits, reqs)
-    sizes = [len(r.top_logprobs or {}) for r in DeviceSampler(V, 4, triton).sample(paddle.to_tensor(logits), reqs)]
+    sizes = [
+        len(r.top_logprobs or {})
+        for r in DeviceSampler(V, 4, triton).sample(paddle.to_tensor(logits), sampling_batch(reqs))
+    ]
     assert sizes == [1, 2, 21, 0]
 
 
@@ -112,7 +115,9 @@ def test_slots_of_requests_outside_the_step_are_taken_over(rng, triton):
 def test_top_k_above_the_vocabulary_is_the_whole_vocabulary(rng, triton):
     logits = rng.standard_normal((4, V)).astype(np.float32)
     reqs = [request(f"k{k}", [1], [], temperature=1.0, seed=11, top_k=k) for k in (-1, 2**63 - 1, 2**63, 10**30)]
-    tokens = [r.token_id for r in DeviceSampler(V, 4, triton).sample(paddle.to_tensor(logits[[0] * 4]), reqs)]
+    tokens = [
+        r.token_id for r in DeviceSampler(V, 4, triton).sample(paddle.to_tensor(logits[[0] * 4]), sampling_batch(reqs))
+    ]
     assert len(set(tokens)) == 1
 
 
@@ -154,8 +159,8 @@ def test_seeded_draws_do_not_depend_on_how_the_counts_were_built(rng, triton):
     base = near_ties(rng, 1)
     for _ in range(10):
         logits = base + 0.01 * rng.standard_normal(base.shape).astype(np.float32)
-        (a,) = follow.sample(paddle.to_tensor(logits), [req])
-        (b,) = DeviceSampler(V, 2, triton).sample(paddle.to_tensor(logits), [req])
+        (a,) = follow.sample(paddle.to_tensor(logits), sampling_batch([req]))
+        (b,) = DeviceSampler(V, 2, triton).sample(paddle.to_tensor(logits), sampling_batch([req]))
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-6)
         req.output_token_ids.append(a.token_id)
 
@@ -185,7 +190,7 @@ def test_a_row_with_non_finite_logits_fails_alone(rng, triton):
     logits = rng.standard_normal((3, V)).astype(np.float32)
     logits[1, 7] = np.nan
     reqs = [request(f"r{i}", [1], []) for i in range(3)]
-    got = DeviceSampler(V, 2, triton).sample(paddle.to_tensor(logits), reqs)
+    got = DeviceSampler(V, 2, triton).sample(paddle.to_tensor(logits), sampling_batch(reqs))
     assert len(got) == 3 and isinstance(got[1], ValueError)
     assert str(got[1]) == "the model's logits for this request are not finite"
     assert [got[0].token_id, got[2].token_id] == [int(np.argmax(logits[0])), int(np.argmax(logits[2]))]

@@ -11,8 +11,6 @@ slot's tally and the request disagree (a new request, a slot taken by another, a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import paddle
 
@@ -32,7 +30,7 @@ from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (
     NUM_I,
     launch_count,
 )
-from fastdeploy.request import Request
+from fastdeploy.sampling_params import SamplingBatch, SamplingState
 
 
 def upload(host: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
@@ -58,40 +56,40 @@ class DeviceSampler:
         # what the op reads while no request has a slot (no row points at them: slot -1)
         self.no_counts = paddle.zeros([1, vocab_size], "int32")
         self.no_seen = paddle.zeros([1, vocab_size], "uint8")
-        self.owner: list[Request | None] = [None] * max_slots
+        self.owner: list[SamplingState | None] = [None] * max_slots  # the request's state
+        self.owner_key: list[str | None] = [None] * max_slots
         self.tally: list[int] = [0] * max_slots  # output tokens counted in each slot
         self.slot_of: dict[str, int] = {}
 
-    def _slot_for(self, req: Request, in_step: set[int], out: list[int]) -> int:
-        """A slot whose tables hold req's tokens, ``out`` its output so far (rebuilt if they may not)."""
-        s = self.slot_of.get(req.request_id)
-        if s is not None and self.owner[s] is req and self.tally[s] == len(out):
+    def _slot_for(self, batch: SamplingBatch, b: int, in_step: set[int]) -> int:
+        """A slot whose tables hold row b's tokens (rebuilt if they may not)."""
+        key, owner, out = batch.keys[b], batch.states[b], batch.output_ids[b]
+        s = self.slot_of.get(key)
+        if s is not None and self.owner[s] is owner and self.tally[s] == len(out):
             return s
-        if s is None or self.owner[s] is not req:  # a free slot, else one of a request not in this step
+        if s is None or self.owner[s] is not owner:  # a free slot, else one of a request not in this step
             s = next(s for s, r in enumerate(self.owner) if r is None or id(r) not in in_step)
             if self.owner[s] is not None:
-                self.slot_of.pop(self.owner[s].request_id, None)
+                self.slot_of.pop(self.owner_key[s], None)
         if self.counts is None:
             self.counts = paddle.zeros([self.max_slots, self.vocab_size], "int32")
             self.seen = paddle.zeros([self.max_slots, self.vocab_size], "uint8")
         row = np.zeros(self.vocab_size, np.int32)
         np.add.at(row, np.asarray(out, np.int64), 1)
         seen = np.zeros(self.vocab_size, np.uint8)
-        seen[np.asarray(req.prompt_token_ids, np.int64)] = 1
+        seen[np.asarray(batch.prompt_ids[b], np.int64)] = 1
         self.counts[s] = paddle.to_tensor(row)
         self.seen[s] = paddle.to_tensor(seen)
-        self.owner[s], self.tally[s] = req, len(out)
-        self.slot_of[req.request_id] = s
+        self.owner[s], self.owner_key[s], self.tally[s] = owner, key, len(out)
+        self.slot_of[key] = s
         return s
 
-    def pack(self, reqs: Sequence[Request], pending: Sequence[list[int]] | None = None) -> dict[str, np.ndarray]:
+    def pack(self, batch: SamplingBatch) -> dict[str, np.ndarray]:
         """The rows' host arrays: fparams float32 [B, 8], iparams int32 [B, 4], seeds int32
-        [B, 2], bias_ids int32 / bias_vals float32 [B, NB >= 1]. ``pending[b]``: tokens of row b
-        accepted in this step before it (speculative verification, docs/design.md §4.16): the row
-        samples as if they were already in its output (penalties, min_tokens, the seed's step)."""
-        B = len(reqs)
-        outs = [r.output_token_ids + list(pending[b]) if pending else r.output_token_ids for b, r in enumerate(reqs)]
-        states = [r.sampling_state for r in reqs]
+        [B, 2], bias_ids int32 / bias_vals float32 [B, NB >= 1]. Each row samples after its
+        ``output_ids`` (penalties, min_tokens, the seed's step), tokens accepted earlier in this
+        step among them (speculative verification, docs/design.md §4.16)."""
+        B, outs, states = len(batch), batch.output_ids, batch.states
         f = np.zeros((B, NUM_F), np.float32)
         i = np.zeros((B, NUM_I), np.int32)
         cols = [F_TEMPERATURE, F_TOP_P, F_MIN_P, F_REPETITION, F_PRESENCE, F_FREQUENCY]
@@ -102,11 +100,11 @@ class DeviceSampler:
         i[:, I_TOP_K] = [min(s.top_k, self.vocab_size) for s in states]  # above the vocabulary: all of it
         i[:, I_SLOT] = -1
         n_out = [len(o) for o in outs]
-        in_step = {id(r) for r in reqs}
+        in_step = {id(st) for st in states}
         biases = []
-        for b, (req, st) in enumerate(zip(reqs, states, strict=True)):
+        for b, st in enumerate(states):
             if st.penalized:
-                i[b, I_SLOT] = self._slot_for(req, in_step, outs[b])
+                i[b, I_SLOT] = self._slot_for(batch, b, in_step)
             bias = list(st.logit_bias.items()) if st.logit_bias else []
             if n_out[b] < st.min_tokens:
                 bias += [(t, -np.inf) for t in st.min_tokens_stop_ids]
@@ -128,13 +126,10 @@ class DeviceSampler:
             "bias_vals": bias_vals,
         }
 
-    def sample(
-        self, logits: paddle.Tensor, reqs: Sequence[Request], pending: Sequence[list[int]] | None = None
-    ) -> list[SampleResult | Exception]:
-        """logits [B, vocab] on the device, one row per request -> a result per row (a
-        ValueError for a row whose logits are not finite: it fails that request only);
-        ``pending`` as in ``pack``."""
-        host = self.pack(reqs, pending)
+    def sample(self, logits: paddle.Tensor, batch: SamplingBatch) -> list[SampleResult | Exception]:
+        """logits [B, vocab] on the device, one row per request of ``batch`` -> a result per row
+        (a ValueError for a row whose logits are not finite: it fails that request only)."""
+        host = self.pack(batch)
         dev = upload(host)
         counts = self.counts if self.counts is not None else self.no_counts
         seen = self.seen if self.seen is not None else self.no_seen
@@ -153,16 +148,16 @@ class DeviceSampler:
         if (slots >= 0).any():
             self._count(out.tokens, dev["iparams"], slots)
         got = paddle.stack([out.tokens.astype("float32"), out.logprobs, out.bad.astype("float32")], 1).numpy()
-        want = [r.sampling_state.logprobs or 0 for r in reqs]
+        want = [st.logprobs or 0 for st in batch.states]
         tops = self._top_logprobs(logits, out.lse, want)
         results: list[SampleResult | Exception] = []
-        for b, req in enumerate(reqs):
+        for b, st in enumerate(batch.states):
             if got[b, 2]:
                 results.append(ValueError("the model's logits for this request are not finite"))
                 continue
             tok, lp = int(got[b, 0]), float(got[b, 1])
             top = None
-            if req.sampling_state.logprobs is not None:
+            if st.logprobs is not None:
                 top = tops.get(b, {})
                 top[tok] = lp
             results.append(SampleResult(tok, lp, top))
