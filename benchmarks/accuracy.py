@@ -35,7 +35,7 @@ def prompt_logits(d: str, ids: list[int]) -> np.ndarray:
     """float64 logits [len(ids), vocab] of one prefill through the paddle model (CPU reference path)."""
     n_blocks = -(-len(ids) // BLOCK)
     fd = FDConfig(ModelConfig.from_pretrained(d), CacheConfig(block_size=BLOCK, num_gpu_blocks_override=n_blocks))
-    runner = GPUModelRunner(fd, "float32")
+    runner = GPUModelRunner(fd)
     meta = runner.meta_builder.build(ids, [len(ids)], [0], [list(range(n_blocks))])
     return runner.model.compute_logits(runner.model(meta, runner.caches)).numpy().astype(np.float64)
 

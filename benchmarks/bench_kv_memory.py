@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -59,7 +60,7 @@ def memory_table() -> list[dict]:
     mc = ModelConfig.from_dict(DSV3)
     for kv in ("bf16", "fp8"):
         fd = FDConfig(mc, CacheConfig(block_size=bs, kv_cache_dtype=kv))
-        per = group_bytes_per_block(layer_kv_specs(mc, fd.cache_config, "bfloat16"), bs)
+        per = group_bytes_per_block(layer_kv_specs(dataclasses.replace(mc, dtype="bfloat16"), fd.cache_config), bs)
         for L in (4096, 32768, 131072):
             today = -(-L // bs) * (per["full"] + per["swa"])
             peak = peak_blocks(L, mc.sliding_window, bs, chunk)

@@ -65,6 +65,8 @@ class ModelConfig:
     # MTP layers the engine runs as its draft model (0 without speculation; set by FDConfig from
     # its SpeculativeConfig): their ids follow the decoder layers' (docs/design.md §4.16)
     mtp_layers: int = 0
+    # the dtype the model runs in (resolved: float32, bfloat16 or float16; EngineArgs resolves "auto")
+    dtype: str = "float32"
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ModelConfig:
@@ -138,6 +140,15 @@ def _checkpoint_quant(qc: Any) -> str | None:
 
 
 QUANTIZATIONS = ("auto", "fp8", "none")
+
+
+def resolve_dtype(setting: str, on_gpu: bool) -> str:
+    """``--dtype``: auto is bfloat16 on a GPU and float32 on CPU."""
+    if setting == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    if setting not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {setting!r}")
+    return setting
 
 
 def resolve_quantization(setting: str, cfg: ModelConfig, on_gpu: bool) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from fastdeploy.config import CacheConfig, KernelConfig, ModelConfig
+from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
@@ -36,16 +36,17 @@ class Harness:
         self.cfg.mtp_layers = int(mtp)
         self.kernels = kernels or KernelConfig()
         cache_config = CacheConfig(block_size, num_blocks, kv_cache_dtype=kv_cache_dtype)
-        self.model = DeepseekV3ForCausalLM(self.cfg, "float32", self.kernels, cache_config=cache_config)
+        fd = FDConfig(model_config=self.cfg, cache_config=cache_config, kernel_config=self.kernels)
+        self.model = DeepseekV3ForCausalLM(fd)
         load_weights(self.model, model_dir, self.cfg.num_hidden_layers, show_progress=False)
         backends = self.model.attention_backends()
         self.mtp = None
         if mtp:
-            self.mtp = DeepseekV3MTP(self.cfg, "float32", self.kernels, self.model, kv_cache_dtype=kv_cache_dtype)
+            self.mtp = DeepseekV3MTP(fd, self.model)
             load_weights(self.mtp, model_dir, None, show_progress=False)
             backends += [b for b in self.mtp.attention_backends() if b.kind not in {x.kind for x in backends}]
         self.caches = []
-        for spec in layer_kv_specs(self.cfg, cache_config, "float32"):
+        for spec in layer_kv_specs(self.cfg, cache_config):
             fill = NAN_U8 if spec.dtype == "uint8" else float("nan")
             self.caches.append(paddle.full(spec.shape(num_blocks, block_size), fill, dtype=spec.dtype))
         self.builder = ForwardMetaBuilder(block_size, backends, self.kernels)

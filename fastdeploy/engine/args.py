@@ -26,11 +26,13 @@ from fastdeploy.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    resolve_dtype,
     resolve_quantization,
 )
 from fastdeploy.model_executor.kernel_select import KERNEL_BACKENDS, select_kernels
 from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode
 from fastdeploy.model_executor.tiny_checkpoint import TINY_PRESET, resolve_model
+from fastdeploy.worker.kv_sizing import on_gpu
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -113,6 +115,7 @@ class EngineArgs:
         model_config = ModelConfig.from_pretrained(resolve_model(self.model))
         kernels = select_kernels(self.kernel_backend, self.sparse_mla_provider, self.mla_prefill_form)
         model_config.quantization = resolve_quantization(self.quantization, model_config, kernels.triton)
+        model_config.dtype = resolve_dtype(self.dtype, on_gpu())
         return FDConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -60,7 +60,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(mc.model_dir)
         self.grammar = GrammarEngine(self.tokenizer, mc.vocab_size)
         pc = self.config.parallel_config
-        worker_argv = ["--config", encode_config(self.config, args.dtype), "--driver-pid", str(os.getpid())]
+        worker_argv = ["--config", encode_config(self.config), "--driver-pid", str(os.getpid())]
         self.tp = init_tensor_parallel(pc.tensor_parallel_size, worker_argv)
         if not self.tp.is_driver:
             raise ValueError("LLMEngine runs on rank 0 only; other ranks run fastdeploy.worker.tp_worker")
@@ -68,7 +68,7 @@ class LLMEngine:
         self._failing, self._failed = threading.Lock(), False
         self.watchdog = None
         try:
-            self.runner = GPUModelRunner(self.config, args.dtype, self.tp)
+            self.runner = GPUModelRunner(self.config, self.tp)
         except BaseException:
             self.shutdown()
             raise

@@ -39,9 +39,11 @@ from fastdeploy.worker.kv_sizing import group_bytes_per_block, plan_kv_blocks, p
 def held_bytes(fd: FDConfig, dtype: str, tp_size: int, quantization: str) -> int:
     """Rank 0's parameter bytes with the weights kept as ``quantization`` says ("fp8": e4m3 codes
     plus float32 block scales), built from the model code without memory."""
-    cfg = dataclasses.replace(fd.model_config, quantization=quantization)
+    cfg = dataclasses.replace(fd.model_config, quantization=quantization, dtype=dtype)
     with paddle.LazyGuard():
-        model = DeepseekV3ForCausalLM(cfg, dtype, KernelConfig(), TPGroup(rank=0, world_size=tp_size))
+        model = DeepseekV3ForCausalLM(
+            dataclasses.replace(fd, model_config=cfg, kernel_config=KernelConfig()), TPGroup(rank=0, world_size=tp_size)
+        )
     size = {paddle.float32: 4, paddle.uint8: 1}
     return sum(math.prod(p.shape) * size.get(p.dtype, 2) for p in model.parameters())
 
@@ -57,7 +59,9 @@ def plan(fd: FDConfig, dtype: str, memory_bytes: float, fp8_checkpoint: bool = F
     tp = fd.parallel_config.tensor_parallel_size
     w = weight_bytes(fd, dtype, tp, fp8_checkpoint)
     bs = fd.cache_config.block_size
-    per_block = group_bytes_per_block(layer_kv_specs(fd.model_config, fd.cache_config, dtype), bs)
+    per_block = group_bytes_per_block(
+        layer_kv_specs(dataclasses.replace(fd.model_config, dtype=dtype), fd.cache_config), bs
+    )
     out = {
         "tensor_parallel_size": tp,
         "weights_held_bytes": w["held"],

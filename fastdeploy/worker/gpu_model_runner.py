@@ -34,29 +34,20 @@ from fastdeploy.worker.step_inputs import DraftStep, StepInputs, build_step_inpu
 logger = logging.getLogger("fastdeploy")
 
 
-def resolve_dtype(dtype: str) -> str:
-    if dtype == "auto":
-        return "bfloat16" if on_gpu() else "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return dtype
-
-
 class GPUModelRunner:
     """One rank's model and KV caches. The driver (rank 0) schedules and samples; under tensor
     parallelism it broadcasts each step's host arrays and every rank runs the same step."""
 
-    def __init__(self, fd_config: FDConfig, dtype: str = "auto", tp: TPGroup | None = None) -> None:
+    def __init__(self, fd_config: FDConfig, tp: TPGroup | None = None) -> None:
         self.fd = fd_config
         self.tp = tp or TPGroup()
-        self.dtype = resolve_dtype(dtype)
         mc = fd_config.model_config
-        self.model = DeepseekV3ForCausalLM(mc, self.dtype, fd_config.kernel_config, self.tp, fd_config.cache_config)
+        self.model = DeepseekV3ForCausalLM(fd_config, self.tp)
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, mc.num_hidden_layers, self.tp.is_driver)
         self.spec: MTPProposer | None = None  # the draft model (docs/design.md §4.16)
         if fd_config.speculative_config.k:
-            self.spec = MTPProposer(fd_config, self.dtype, self.model, self.tp)
+            self.spec = MTPProposer(fd_config, self.model, self.tp)
             self.bytes_loaded += self.spec.bytes_loaded
         self.weight_bytes = parameter_bytes(self.model)
         if self.spec is not None:
@@ -75,7 +66,7 @@ class GPUModelRunner:
         backends += [b for b in (self.spec.model.attention_backends() if self.spec else []) if b.kind not in kinds]
         self.meta_builder = ForwardMetaBuilder(self.block_size, backends, fd_config.kernel_config)
         self.step_started: float | None = None
-        self.kv_specs = layer_kv_specs(mc, fd_config.cache_config, self.dtype)
+        self.kv_specs = layer_kv_specs(mc, fd_config.cache_config)
         self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.kv_specs))  # the same on every rank
         self.caches = self.allocate_caches(self.num_blocks)
         self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="fastdeploy-mask")

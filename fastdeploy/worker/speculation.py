@@ -58,10 +58,10 @@ class MTPProposer:
     hidden states); the driver's ``plan`` says which requests draft and how deep, every rank's
     ``draft`` runs the passes, and the driver's ``take`` gives each request its drafts."""
 
-    def __init__(self, fd: FDConfig, dtype: str, target: DeepseekV3ForCausalLM, tp: TPGroup) -> None:
+    def __init__(self, fd: FDConfig, target: DeepseekV3ForCausalLM, tp: TPGroup) -> None:
         mc = fd.model_config
         self.k, self.max_model_len = fd.speculative_config.k, fd.scheduler_config.max_model_len
-        self.model = DeepseekV3MTP(mc, dtype, fd.kernel_config, target, tp, fd.cache_config.kv_cache_dtype)
+        self.model = DeepseekV3MTP(fd, target, tp)
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, None, tp.is_driver)
         self.last_step: tuple[StepInputs, ForwardMeta, paddle.Tensor] | None = None

@@ -3,7 +3,7 @@
     python -m fastdeploy.worker.tp_worker --config CONFIG [--driver-pid PID]
 
 Started by the driver (``init_tensor_parallel``) with paddle.distributed's environment and the
-driver's own resolved config (``encode_config``: the FDConfig and the model dtype), or run in
+driver's own resolved config (``encode_config``: the FDConfig, the model's dtype in its model config), or run in
 process by ``api_server`` on ranks other than 0 under paddle.distributed.launch. It exits when
 the driver says so, or when the driver process is gone.
 """
@@ -25,12 +25,12 @@ from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 logger = logging.getLogger("fastdeploy")
 
 
-def encode_config(fd: FDConfig, dtype: str) -> str:
+def encode_config(fd: FDConfig) -> str:
     """The driver's config as one command-line word (its own child reads it back)."""
-    return base64.b64encode(pickle.dumps((fd, dtype))).decode("ascii")
+    return base64.b64encode(pickle.dumps(fd)).decode("ascii")
 
 
-def decode_config(word: str) -> tuple[FDConfig, str]:
+def decode_config(word: str) -> FDConfig:
     return pickle.loads(base64.b64decode(word))
 
 
@@ -44,14 +44,14 @@ def _exit_with_driver(pid: int) -> None:
             os._exit(1)
 
 
-def run_worker(fd: FDConfig, dtype: str, driver_pid: int | None = None) -> None:
-    """Serve the driver's steps with the driver's config ``fd`` and model ``dtype``."""
+def run_worker(fd: FDConfig, driver_pid: int | None = None) -> None:
+    """Serve the driver's steps with the driver's config ``fd``."""
     if driver_pid:
         threading.Thread(target=_exit_with_driver, args=(driver_pid,), daemon=True).start()
     activity = Activity()
     start_beating(activity, min(BEAT_S, fd.parallel_config.dist_timeout / 4))
     tp = init_tensor_parallel(fd.parallel_config.tensor_parallel_size, activity=activity)
-    runner = GPUModelRunner(fd, dtype, tp)
+    runner = GPUModelRunner(fd, tp)
     logger.info("tensor-parallel rank %d of %d ready", tp.rank, tp.world_size)
     runner.serve_steps()
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--driver-pid", type=int, default=None)
     ns = ap.parse_args(argv)
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_worker(*decode_config(ns.config), ns.driver_pid)
+    run_worker(decode_config(ns.config), ns.driver_pid)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import pytest
 from live_server import ServerProcess
 
 from fastdeploy import LLM
-from fastdeploy.config import KernelConfig, ModelConfig
+from fastdeploy.config import FDConfig, ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -130,13 +130,13 @@ def test_each_rank_reads_only_its_slices(tiny_model_dir):
     """Loading with TP 2 reads each rank's slices: their bytes add up to the checkpoint plus the
     replicated tensors once more, and every parameter is the matching slice of the TP 1 one."""
     cfg = ModelConfig.from_pretrained(tiny_model_dir)
-    full = DeepseekV3ForCausalLM(cfg, "float32", KernelConfig())
+    full = DeepseekV3ForCausalLM(FDConfig(model_config=cfg))
     total = load_weights(full, tiny_model_dir, cfg.num_hidden_layers, show_progress=False)
     whole = dict(full.named_parameters())
     disk = SafeTensorsFile(f"{tiny_model_dir}/model.safetensors")
     read, replicated = [], 0
     for rank in range(2):
-        part = DeepseekV3ForCausalLM(cfg, "float32", KernelConfig(), TPGroup(rank=rank, world_size=2))
+        part = DeepseekV3ForCausalLM(FDConfig(model_config=cfg), TPGroup(rank=rank, world_size=2))
         read.append(load_weights(part, tiny_model_dir, cfg.num_hidden_layers, show_progress=False))
         for name, p in part.named_parameters():
             shard = getattr(p, "tp_shard", None)

@@ -138,7 +138,7 @@ def test_cache_allocation_per_layer_and_budget(tiny_model_dir):
         ("fp8", "uint8", 656),
     ):
         fd = FDConfig(mc, CacheConfig(block_size=16, num_gpu_blocks_override=None, kv_cache_dtype=quant))
-        specs = layer_kv_specs(mc, fd.cache_config, "float32")
+        specs = layer_kv_specs(mc, fd.cache_config)
         for i, spec in enumerate(specs):
             last = 656 if full_dtype == "uint8" else 576
             want = ("swa", "uint8", 656, 656) if mc.is_swa_layer(i) else ("full", full_dtype, full_bytes, last)

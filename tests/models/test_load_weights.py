@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from model_harness import Harness, assert_close_with_routing_flips, rel
 
-from fastdeploy.config import KernelConfig, ModelConfig
+from fastdeploy.config import FDConfig, ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.load_weight_utils import (
     CheckpointError,
@@ -170,6 +170,6 @@ def test_fp8_tensors_split_at_128_blocks(base_dir, tmp_path, rng):
             out[k] = (dt, x)
     save_file(os.path.join(d, "model.safetensors"), out)
     cfg = ModelConfig.from_pretrained(d)
-    model = DeepseekV3ForCausalLM(cfg, "float32", KernelConfig(), TPGroup(rank=0, world_size=2))
+    model = DeepseekV3ForCausalLM(FDConfig(model_config=cfg), TPGroup(rank=0, world_size=2))
     with pytest.raises(CheckpointError, match=r"o_proj.weight: rank 0's slice \[0, 64\) of dim 1 does not fall on 128"):
         load_weights(model, d, cfg.num_hidden_layers, show_progress=False)

@@ -1,5 +1,6 @@
 """The memory planner against what the runner really allocates for the tiny model."""
 
+import dataclasses
 import json
 import math
 
@@ -32,7 +33,7 @@ def test_planner_matches_the_runner(tiny_model_dir, capsys):
         allocated = sum(nbytes(runner.caches[i]) for i in layers)
         assert res["kv_bytes_per_token"][g] * (res["kv_tokens_held"][g] + bs) == allocated
     # TP 2: rank 0's planned weights are those of a real rank-0 shard
-    rank0 = DeepseekV3ForCausalLM(fd.model_config, "float32", KernelConfig(), TPGroup(rank=0, world_size=2))
+    rank0 = DeepseekV3ForCausalLM(dataclasses.replace(fd, kernel_config=KernelConfig()), TPGroup(rank=0, world_size=2))
     assert planner.weight_bytes(fd, "float32", 2, False)["held"] == sum(nbytes(p) for p in rank0.parameters())
     cfg = json.load(open(f"{tiny_model_dir}/config.json"))
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}

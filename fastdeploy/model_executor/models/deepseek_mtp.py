@@ -21,7 +21,7 @@ import re
 import paddle
 from paddle import nn
 
-from fastdeploy.config import KernelConfig, ModelConfig
+from fastdeploy.config import FDConfig, KernelConfig, ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.base_backend import MLABackendBase
@@ -71,17 +71,11 @@ class DeepseekV3MTP(nn.Layer):
     """The draft model over a loaded target: ``cfg.mtp_layers`` MTP layers, the target's
     embedding and LM head."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        dtype: str,
-        kernels: KernelConfig,
-        target: DeepseekV3ForCausalLM,
-        tp: TPGroup | None = None,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
+    def __init__(self, fd_config: FDConfig, target: DeepseekV3ForCausalLM, tp: TPGroup | None = None) -> None:
         super().__init__()
         tp = tp or TPGroup()
+        cfg, kernels = fd_config.model_config, fd_config.kernel_config
+        dtype, kv_cache_dtype = cfg.dtype, fd_config.cache_config.kv_cache_dtype
         self.config, self.tp = cfg, tp
         self.first = cfg.num_hidden_layers
         self.layers = nn.LayerList(

@@ -18,7 +18,7 @@ import re
 import paddle
 from paddle import nn
 
-from fastdeploy.config import CacheConfig, KernelConfig, ModelConfig
+from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMeta
 from fastdeploy.model_executor.layers.attention.base_backend import KVSpec, MLABackendBase
@@ -36,7 +36,7 @@ from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.rotary_embedding import DeepseekRotaryEmbedding, deepseek_softmax_scale
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer_top_k
 
-__all__ = ["DeepseekV3ForCausalLM", "DeepseekV3MLAAttention", "get_swa_indexer_top_k", "layer_kv_specs"]
+__all__ = ["DeepseekV3ForCausalLM", "DeepseekV3MLAAttention", "get_swa_indexer_top_k", "kv_spec_for", "layer_kv_specs"]
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)\.weight(_scale_inv)?$")
 
@@ -57,15 +57,18 @@ def attention_backend(
     return MLAAttentionBackend(scale, kernels, num_heads, dtype, kv_cache_dtype)
 
 
-def layer_kv_specs(cfg: ModelConfig, cache_config: CacheConfig, dtype: str) -> list[KVSpec]:
-    """Each layer's KV cache layout as its backend declares it (``dtype`` the model's), without
-    building the model: what the runner allocates, ``tools/plan`` counts and tests poison. The
-    decoder layers, then the MTP layers the engine runs (``cfg.mtp_layers``)."""
-    kv = cache_config.kv_cache_dtype
-    return [
-        attention_backend(cfg, i, dtype, KernelConfig(), cfg.num_attention_heads, kv).kv_spec(cache_config)
-        for i in range(cfg.num_hidden_layers + cfg.mtp_layers)
-    ]
+def kv_spec_for(model_config: ModelConfig, cache_config: CacheConfig, layer_id: int) -> KVSpec:
+    """What layer ``layer_id`` stores, as its backend's kind declares it (a pure function: no
+    backend is built): the runner allocates it, ``tools/plan`` counts it, tests poison it."""
+    kind = DSAAttentionBackend if model_config.is_swa_layer(layer_id) else MLAAttentionBackend
+    return kind.kv_spec(cache_config, model_config.dtype)
+
+
+def layer_kv_specs(model_config: ModelConfig, cache_config: CacheConfig) -> list[KVSpec]:
+    """``kv_spec_for`` of the decoder layers, then of the MTP layers the engine runs
+    (``mtp_layers``)."""
+    n = model_config.num_hidden_layers + model_config.mtp_layers
+    return [kv_spec_for(model_config, cache_config, i) for i in range(n)]
 
 
 class DeepseekV3MLAAttention(nn.Layer):
@@ -185,25 +188,20 @@ class DeepseekV3Model(nn.Layer):
 
 
 class DeepseekV3ForCausalLM(nn.Layer):
-    """Hidden states for every token; ``compute_logits`` for the tokens that sample. ``kernels``
-    (chosen once at start-up) says which implementations the attention backends run; ``tp`` is
-    this rank's tensor-parallel group (one rank by default); ``cache_config`` gives the full
-    layers' cache format (its ``kv_cache_dtype``)."""
+    """Hidden states for every token; ``compute_logits`` for the tokens that sample. Built from
+    one ``fd_config``: its model config (with the model's ``dtype``), its kernel config (chosen
+    once at start-up: which implementations the attention backends run) and its cache config
+    (the full layers' ``kv_cache_dtype``); ``tp`` is this rank's tensor-parallel group (one rank
+    by default)."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        dtype: str,
-        kernels: KernelConfig,
-        tp: TPGroup | None = None,
-        cache_config: CacheConfig | None = None,
-    ) -> None:
+    def __init__(self, fd_config: FDConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         tp = tp or TPGroup()
+        cfg = fd_config.model_config
         self.config, self.tp = cfg, tp
-        kv_cache_dtype = (cache_config or CacheConfig()).kv_cache_dtype
-        self.model = DeepseekV3Model(cfg, dtype, kernels, tp, kv_cache_dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        kv_cache_dtype = fd_config.cache_config.kv_cache_dtype
+        self.model = DeepseekV3Model(cfg, cfg.dtype, fd_config.kernel_config, tp, kv_cache_dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype)
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         """Where checkpoint tensor ``name`` loads: (parameter name, None) for a tensor of its own

@@ -90,7 +90,10 @@ class MLABackendBase:
         """The name of this attention kind (the key of its plan in ``ForwardMeta.attn``)."""
         raise NotImplementedError
 
-    def kv_spec(self, cache_config: CacheConfig) -> KVSpec:
+    @staticmethod
+    def kv_spec(cache_config: CacheConfig, model_dtype: str) -> KVSpec:
+        """The kind's cache layout under ``cache_config`` in a model of ``model_dtype``: a pure
+        function of the two (``kv_spec_for`` asks it without building a backend)."""
         raise NotImplementedError
 
     def plan_step(self, meta: ForwardMeta) -> StepPlan:

@@ -47,7 +47,8 @@ class DSAAttentionBackend(MLABackendBase):
     def kind(self) -> str:
         return f"swa:{self.sliding_window}"
 
-    def kv_spec(self, cache_config: CacheConfig) -> KVSpec:
+    @staticmethod
+    def kv_spec(cache_config: CacheConfig, model_dtype: str) -> KVSpec:
         return KVSpec.records(SWA_GROUP)
 
     def plan_step(self, meta: ForwardMeta) -> StepPlan:

@@ -35,16 +35,17 @@ class MLAAttentionBackend(MLABackendBase):
         self, softmax_scale: float, kernels: KernelConfig, num_heads: int, model_dtype: str, kv_cache_dtype: str
     ) -> None:
         super().__init__(softmax_scale, kernels, num_heads, model_dtype)
-        self.cache_spec = self.kv_spec(CacheConfig(kv_cache_dtype=kv_cache_dtype))
+        self.cache_spec = self.kv_spec(CacheConfig(kv_cache_dtype=kv_cache_dtype), model_dtype)
 
     @property
     def kind(self) -> str:
         return FULL_GROUP
 
-    def kv_spec(self, cache_config: CacheConfig) -> KVSpec:
+    @staticmethod
+    def kv_spec(cache_config: CacheConfig, model_dtype: str) -> KVSpec:
         if cache_config.kv_cache_dtype == "fp8":
             return KVSpec.records(FULL_GROUP)
-        return KVSpec.latent(FULL_GROUP, "bfloat16" if cache_config.kv_cache_dtype == "bf16" else self.model_dtype)
+        return KVSpec.latent(FULL_GROUP, "bfloat16" if cache_config.kv_cache_dtype == "bf16" else model_dtype)
 
     def plan_step(self, meta: ForwardMeta) -> StepPlan:
         provider = self.provider
