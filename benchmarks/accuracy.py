@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.config import CacheConfig, FDConfig, ModelConfig  # noqa: E402
 from fastdeploy.model_executor.models.deepseek_v3_reference import forward, load_np  # noqa: E402
-from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model  # noqa: E402
+from fastdeploy.tools.tiny_checkpoint import make_tiny_model  # noqa: E402
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner  # noqa: E402
 
 BLOCK = 16

@@ -31,8 +31,8 @@ from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.cache_manager.block_manager import BlockManager  # noqa: E402
 from fastdeploy.config import CacheConfig, FDConfig, ModelConfig, swa_blocks_per_request  # noqa: E402
 from fastdeploy.model_executor.models.deepseek_v3 import layer_kv_specs  # noqa: E402
-from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model  # noqa: E402
 from fastdeploy.request import Request  # noqa: E402
+from fastdeploy.tools.tiny_checkpoint import make_tiny_model  # noqa: E402
 from fastdeploy.worker.kv_sizing import group_bytes_per_block  # noqa: E402
 
 GiB = 2**30

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 
 from fastdeploy import LLM, SamplingParams  # noqa: E402
 from fastdeploy.model_executor.layers.attention.prefill_form import PrefillRates, prefill_seconds  # noqa: E402
-from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model  # noqa: E402
+from fastdeploy.tools.tiny_checkpoint import make_tiny_model  # noqa: E402
 
 
 def widened_checkpoint(root: str, positions: int) -> str:

@@ -31,7 +31,7 @@ from fastdeploy.config import (
 )
 from fastdeploy.model_executor.kernel_select import KERNEL_BACKENDS, select_kernels
 from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode
-from fastdeploy.model_executor.tiny_checkpoint import TINY_PRESET, resolve_model
+from fastdeploy.tools.tiny_checkpoint import TINY_PRESET, resolve_model
 from fastdeploy.worker.kv_sizing import on_gpu
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -6,7 +6,7 @@
 IDS is a comma list of SWA layer ids, ``all`` or ``none`` (with ``--mtp``, id L is the MTP
 layer's). ``--mtp`` adds DeepSeek-V3's multi-token-prediction layer and fits it to the model
 (``tools/mtp_fit.py``; the acceptance it reached goes to ``mtp_fit.json``). Same arguments, same bytes. The
-writer itself is ``fastdeploy.model_executor.tiny_checkpoint`` (the engine builds the
+writer itself is ``fastdeploy.tools.tiny_checkpoint`` (the engine builds the
 ``tiny-mla-swa`` preset with it); this module is its command line.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from fastdeploy.model_executor.tiny_checkpoint import make_tiny_model
 from fastdeploy.tools.mtp_fit import fit_mtp
+from fastdeploy.tools.tiny_checkpoint import make_tiny_model
 
 __all__ = ["make_tiny_model", "parse_swa_layers", "main"]
 

@@ -26,8 +26,8 @@ import numpy as np
 from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.model_executor.models import deepseek_v3_reference as ref
-from fastdeploy.model_executor.tiny_checkpoint import tiny_weights, write_safetensors
 from fastdeploy.sampling_params import SamplingParams
+from fastdeploy.tools.tiny_checkpoint import tiny_weights, write_safetensors
 
 REFITS = 2
 RIDGE = 1e-2

@@ -196,7 +196,7 @@ def test_history_renders_as_the_template_specifies(base):
     """An assistant call and its tool result in the history: the prompt's tokens are those of the
     DeepSeek-V3 rendering written out here by hand (prompt_tokens counts them)."""
     from fastdeploy.input.tokenizer import Tokenizer
-    from fastdeploy.model_executor.tiny_checkpoint import resolve_model
+    from fastdeploy.tools.tiny_checkpoint import resolve_model
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     messages = [

@@ -13,7 +13,7 @@ import pytest
 from fastdeploy.input.grammar import GrammarEngine, token_bitmask
 from fastdeploy.input.tokenizer import THINK_END, TOOL_CALLS_BEGIN, Tokenizer
 from fastdeploy.model_executor.ops.triton_ops.token_mask import unpack_bitmask
-from fastdeploy.model_executor.tiny_checkpoint import resolve_model
+from fastdeploy.tools.tiny_checkpoint import resolve_model
 
 
 def allowed_tokens(matchers, vocab_size: int) -> np.ndarray:

@@ -198,7 +198,7 @@ def test_missing_expert_named(tmp_path):
     is an error naming the stacked weight and how many experts it got."""
     import os
 
-    from fastdeploy.model_executor.tiny_checkpoint import tiny_weights, write_safetensors
+    from fastdeploy.tools.tiny_checkpoint import tiny_weights, write_safetensors
 
     d = make_tiny_model(str(tmp_path / "m"), num_layers=2, swa_layers=[])
     cfg = json.load(open(f"{d}/config.json"))

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from fastdeploy.config import ModelConfig
-from fastdeploy.model_executor import tiny_checkpoint as tck
 from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32
 from fastdeploy.model_executor.safetensors_io import SafeTensorsFile, save_file
 from fastdeploy.tools import make_tiny_model as mtm
+from fastdeploy.tools import tiny_checkpoint as tck
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path):
