@@ -8,11 +8,13 @@ size 1 whose collectives are no-ops, so the single-device path is the same code.
 Ranks come either from ``paddle.distributed.launch`` (its PADDLE_* environment; several nodes
 possible) or from ``spawn_workers``, which starts ranks 1..N-1 of one node as child processes of
 the driver with the same environment the launcher would give them, each beating into a pipe
-the driver's watchdog reads (``start_beating``).
+the driver's watchdog reads (``start_beating``). The driver's TPGroup also ends them: it kills
+them when a rank fails (``kill_workers``) and stops and reaps them at shutdown (``reap_workers``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -20,13 +22,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import paddle
+
+logger = logging.getLogger("fastdeploy")
 
 LAUNCH_ENV = "PADDLE_TRAINERS_NUM"
 BEAT_ENV = "FD_BEAT_FD"  # a spawned worker's liveness pipe (its write end's descriptor)
@@ -80,6 +84,30 @@ class TPGroup:
             raise ValueError(f"{what}={n} does not divide over tensor_parallel_size={self.world_size}")
         k = n // self.world_size
         return self.rank * k, (self.rank + 1) * k
+
+    def kill_workers(self) -> None:
+        """Kill the worker processes this driver started that are still running."""
+        for p in self.workers:
+            if p.poll() is None:
+                p.kill()
+
+    def reap_workers(self, ask_to_stop: Callable[[], None], timeout: float = 10.0) -> None:
+        """Stop the workers this driver started and reap them: ``ask_to_stop`` (the driver's
+        message that ends their step loop) when any is running, then each gets ``timeout`` s to
+        exit before it is killed."""
+        running = [p for p in self.workers if p.poll() is None]
+        if running:
+            try:
+                ask_to_stop()
+            except Exception:  # noqa: BLE001 - a rank already gone; it is killed below
+                logger.warning("could not reach the other ranks to stop them")
+        for p in running:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.workers.clear()
 
     def all_reduce(self, x: paddle.Tensor) -> paddle.Tensor:
         """Sum over ranks (in place on x; returns x). float32 on the wire for bf16 partial sums."""

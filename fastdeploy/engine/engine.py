@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import subprocess
 import threading
 import time
 import uuid
@@ -111,9 +110,7 @@ class LLMEngine:
                 return
             self._failed = True
         logger.error("%s; stopping", why)
-        for p in self.tp.workers:
-            if p.poll() is None:
-                p.kill()
+        self.tp.kill_workers()
         for listener in self.fatal_listeners:
             listener(RuntimeError(why))
         if self.fatal_listeners:
@@ -126,18 +123,7 @@ class LLMEngine:
         if self.watchdog is not None:
             self.watchdog.stop()
         runner = getattr(self, "runner", None)
-        workers = [p for p in self.tp.workers if p.poll() is None]
-        if runner is not None and workers:
-            try:
-                runner.stop_workers()
-            except Exception:  # noqa: BLE001 - a rank already gone; it is killed below
-                logger.warning("could not reach the other ranks to stop them")
-        for p in workers:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self.tp.workers.clear()
+        self.tp.reap_workers(runner.stop_workers if runner is not None else lambda: None)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, param: str = "prompt"
