@@ -33,7 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_fp8_moe import moe_align_torch  # noqa: E402  (fused_moe.moe_align in torch ops)
 from bench_fp8_moe import replay_ms as call_replay_ms  # noqa: E402  (ms a call, as a graph of n calls)
+from common import events_ms, kernel_sum_ms  # noqa: E402
+from common import replay_ms as _replay_ms  # noqa: E402
 
+from fastdeploy.model_executor.ops.triton_ops.expert_sort_kernel import (  # noqa: E402
+    align_scratch_size,
+    launch_expert_sort,
+    launch_moe_align,
+)
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: E402
     SPLIT_COUNTERS,
     launch_act_quant,
@@ -41,12 +48,8 @@ from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import (  # noqa: 
     tuned_config,
 )
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa: E402
-    ALIGN_KERNEL_MAX,
-    align_scratch_size,
     aligned_rows,
     block_m_for,
-    launch_expert_sort,
-    launch_moe_align,
     launch_moe_gemm,
     launch_moe_sum,
 )
@@ -67,15 +70,6 @@ from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa
 )
 from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import tuned_config as mla_config  # noqa: E402
 
-STEP_START = ["_swa_indexer_kernel", "_swa_indexer_kernel"]  # the step plans' window indices
-STEP_END = [
-    "_rms_norm_kernel",
-    "_prepare_kernel",
-    "_cuts_kernel",
-    "_compact_kernel",
-    "_draw_kernel",
-]  # the device sampler
-
 DEV = "cuda"
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V = 7168, 1536, 512, 64, 128, 128
 EXPERTS, TOPK, MOE_INTER, SHARED_INTER, VOCAB, LAYERS = 256, 8, 2048, 2048, 129280, 61
@@ -93,34 +87,6 @@ BEFORE_FORMS = {
     "torch_route": "+ torch routing",
     "router_cast": "+ router weight cast",
 }
-
-
-# The Triton kernels of one layer's decode step at M rows, in launch order (``_combine_kernel``
-# follows the sparse MLA kernel when it splits the keys).
-def linear_kernels(M: int) -> list[str]:
-    """A W8A8 linear: small M quantizes its activations inside the GEMM (``tuned_config``)."""
-    return ([] if tuned_config(M, HIDDEN, HIDDEN)["fuse_quant"] else ["_act_quant_kernel"]) + ["_w8a8_gemm_kernel"]
-
-
-def attn_kernels(M: int, swa: bool) -> list[str]:
-    """input norm, q_a, q norm, q_b, kv_a, kv norm; the FP8 cache write (SWA layers); sparse MLA;
-    o_proj."""
-    norm, lin = ["_rms_norm_kernel"], linear_kernels(M)
-    rope = ["_rope_kernel"]
-    return (
-        norm + lin + norm + lin + lin + norm + rope + (["_write_kernel"] if swa else []) + ["_sparse_mla_kernel"] + lin
-    )
-
-
-def mlp_kernels(M: int, moe: bool) -> list[str]:
-    """The post-attention norm, the routed experts (MoE layers), then the dense MLP or shared
-    expert: gate, up, down."""
-    chunks = ["_align_count_kernel", "_align_scan_kernel", "_align_starts_kernel", "_align_scatter_kernel"]
-    align = ["_moe_align_kernel"] if M * TOPK <= ALIGN_KERNEL_MAX else chunks
-    gemms = ["_act_quant_kernel", "_moe_gemm_kernel"] * 2
-    routed = ["_moe_route_kernel"] + align + gemms + ["_moe_sum_kernel"]
-    routed = routed if moe else []
-    return ["_rms_norm_kernel"] + routed + linear_kernels(M) * 3
 
 
 def fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,33 +333,6 @@ class Layer:
         return x + routed.to(torch.bfloat16) + shared
 
 
-def events_ms(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
-
-
-def kernel_sum_ms(fn, iters: int = 5) -> float:
-    """Sum of the GPU kernels' own times a call (profiler), no gaps between them."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    total = sum(e.self_device_time_total for e in prof.key_averages())
-    return total / 1e3 / iters
-
-
 def small_kernel_rows(g: torch.Generator, before=None) -> list[dict]:
     """Graph-replay us of the routing (by warps), the one-program expert sort and the model's sort
     (``launch_expert_sort``) at decode batches, the sorts also by ``before`` (an earlier
@@ -434,17 +373,7 @@ def small_kernel_rows(g: torch.Generator, before=None) -> list[dict]:
 
 def replay_ms(layer, x: torch.Tensor) -> float:
     """ms a replay of the layer captured as one CUDA graph."""
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        layer(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        layer(x)
-    ms = events_ms(graph.replay)
-    del graph
-    return ms
+    return _replay_ms(lambda: layer(x), 1, events_ms)
 
 
 def layer_case(B: int, tp: int, ctx: int, swa: bool, window: int, g: torch.Generator) -> dict:

@@ -35,20 +35,32 @@ import sys
 from itertools import product
 
 import torch
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    bench_ms,
+    bf16_tflops,
+    cold_replay_ms,  # noqa: E402
+    copy_gbps,
+    fp8_rowwise_tflops,
+    rel_err,
+)
+from common import replay_ms as _replay_ms  # noqa: E402
 
 from fastdeploy.model_executor.ops.triton_ops import fp8_gemm_kernel  # noqa: E402
-from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant  # noqa: E402
-from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.expert_sort_kernel import (  # noqa: E402
     ALIGN_KERNEL_MAX,
     align_scratch_size,
-    aligned_rows,
-    block_m_for,
     launch_expert_sort,
     launch_moe_align,
     launch_moe_align_chunks,
+)
+from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (  # noqa: E402
+    aligned_rows,
+    block_m_for,
     launch_moe_gemm,
     launch_moe_sum,
     moe_tile_config,
@@ -70,21 +82,21 @@ REP_MS = 150  # do_bench's measuring time a timing; the small sweep shortens it
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=REP_MS)
+    return bench_ms(fn, rep=REP_MS)
+
+
+def replay_ms(fn, n: int = 20) -> float:
+    """ms a call of fn as one CUDA graph of n calls (no host launch cost)."""
+    return _replay_ms(fn, n, bench)
+
+
+def graph_ms(fn, weight: torch.Tensor) -> float:
+    """ms a call of fn(weight copy) as one CUDA graph over copies that each read from HBM."""
+    return cold_replay_ms(fn, weight, bench)
 
 
 def ceilings() -> dict:
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    bf16 = 2 * 8192**3 / bench(lambda: a @ a) / 1e9
-    a8 = a.to(torch.float8_e4m3fn)
-    b8 = a8.t()  # column-major, as _scaled_mm wants
-    sa = torch.ones(8192, 1, device=DEV)
-    sb = torch.ones(1, 8192, device=DEV)
-    fp8 = 2 * 8192**3 / bench(lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16)) / 1e9
-    x = torch.empty(2**30, device=DEV, dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    copy = 2 * x.numel() * 2 / bench(lambda: y.copy_(x)) / 1e6
-    return {"bf16_tflops": bf16, "fp8_rowwise_tflops": fp8, "copy_gbps": copy}
+    return {"bf16_tflops": bf16_tflops(), "fp8_rowwise_tflops": fp8_rowwise_tflops(), "copy_gbps": copy_gbps()}
 
 
 def quantize_ref(x: torch.Tensor) -> torch.Tensor:
@@ -93,10 +105,6 @@ def quantize_ref(x: torch.Tensor) -> torch.Tensor:
     xb = x.float().view(M, K // 128, 128)
     s = xb.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
     return ((xb / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).view(M, K)
-
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want).norm() / want.norm()).item()
 
 
 def load_before(path: str):
@@ -183,7 +191,7 @@ def case(
 
     ours = gemm_fn(fp8_gemm_kernel, x, N, ws, cfg)
     want = quantize_ref(x) @ w_deq.T
-    row = {"shape": name, "N": N, "K": K, "M": M, "config": ours.cfg, "rel_err": rel(ours(codes_u8), want)}
+    row = {"shape": name, "N": N, "K": K, "M": M, "config": ours.cfg, "rel_err": rel_err(ours(codes_u8), want)}
     row["correct"] = row["rel_err"] < 1e-2
     if ours.cfg["split_k"] > 1 and not small_sweep:  # the in-launch split-K sum, 100 times over
         first = ours(codes_u8).clone()
@@ -194,7 +202,7 @@ def case(
         for _ in range(100):  # interleaved with another GEMM: the counters must reset every launch
             same &= bool(torch.equal(ours(codes_u8), first)) and bool(torch.equal(other(codes_u8), first2))
         row["split_repeat_bitwise_identical"] = same
-        row["correct"] &= same and rel(first2, quantize_ref(x2) @ w_deq.T) < 1e-2
+        row["correct"] &= same and rel_err(first2, quantize_ref(x2) @ w_deq.T) < 1e-2
     flops = 2 * M * N * K
     if small_sweep:  # graph replays only
         row["ours_graph_ms"] = graph_ms(ours, codes_u8)
@@ -204,7 +212,7 @@ def case(
         row["ours_tflops"] = flops / row["ours_ms"] / 1e9
         return row
     row["bf16_ms"] = bench(lambda: x @ w_bf16.T)
-    row["bf16_rel_err"] = rel(x @ w_bf16.T, x.float() @ w_bf16.float().T)
+    row["bf16_rel_err"] = rel_err(x @ w_bf16.T, x.float() @ w_bf16.float().T)
 
     # _scaled_mm, row-wise: activations per token, weights per output row (not DeepSeek's blocks)
     x_s = x.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
@@ -214,13 +222,13 @@ def case(
     w8t, w_st = w8.t(), w_s.t().contiguous()
     try:
         got = torch._scaled_mm(x8, w8t, x_s, w_st, out_dtype=torch.bfloat16)
-        row["scaled_mm_rel_err"] = rel(got, (x8.float() * x_s) @ (w8.float() * w_s).T)
+        row["scaled_mm_rel_err"] = rel_err(got, (x8.float() * x_s) @ (w8.float() * w_s).T)
         row["scaled_mm_ms"] = bench(lambda: torch._scaled_mm(x8, w8t, x_s, w_st, out_dtype=torch.bfloat16))
     except Exception as e:  # noqa: BLE001 - reported, the rest still runs
         row["scaled_mm_error"] = repr(e)[:200]
     dg = deepgemm_fn(x, N, ws)
     if dg is not None:
-        row["deepgemm_rel_err"] = rel(dg(codes_u8), want)
+        row["deepgemm_rel_err"] = rel_err(dg(codes_u8), want)
         row["deepgemm_ms"] = bench(lambda: dg(codes_u8))
     for k in ("ours", "bf16", "scaled_mm", "deepgemm"):
         if f"{k}_ms" in row:
@@ -229,7 +237,7 @@ def case(
     if before is not None and M > 64:  # eager, as ours above
         prev = gemm_fn(before, x, N, ws)
         row["before_config"] = prev.cfg
-        row["before_rel_err"] = rel(prev(codes_u8), want)
+        row["before_rel_err"] = rel_err(prev(codes_u8), want)
         row["before_ms"] = bench(lambda: prev(codes_u8))
         row["before_tflops"] = flops / row["before_ms"] / 1e9
     if M > 64:  # GPU time without the eager launch cost, which bounds the M 512 rows
@@ -254,13 +262,13 @@ def case(
             row[f"{form}_bitwise_equal_ours"] = bool(torch.equal(got, ours(codes_u8)))
             row[f"{form}_graph_ms"] = graph_ms(fn, codes_u8)
         cap = gemm_fn(fp8_gemm_kernel, x, N, ws, fp8_gemm_kernel.tuned_config(M, N, K, captured=True))
-        row["captured_config"], row["captured_rel_err"] = cap.cfg, rel(cap(codes_u8), want)
+        row["captured_config"], row["captured_rel_err"] = cap.cfg, rel_err(cap(codes_u8), want)
         row["correct"] &= row["captured_rel_err"] < 1e-2
         row["captured_graph_ms"] = graph_ms(cap, codes_u8)  # the config a captured step asks for
         if before is not None:
             prev = gemm_fn(before, x, N, ws)
             row["before_config"] = prev.cfg
-            row["before_rel_err"] = rel(prev(codes_u8), want)
+            row["before_rel_err"] = rel_err(prev(codes_u8), want)
             row["before_ms"] = bench(lambda: prev(codes_u8))
             row["before_graph_ms"] = graph_ms(prev, codes_u8)
             if hasattr(before, "tuned_config"):  # the earlier tree's captured config
@@ -270,27 +278,6 @@ def case(
                 except TypeError:  # a tree before the captured configs
                     pass
     return row
-
-
-L2_BYTES = 50 * 2**20
-
-
-def graph_ms(fn, weight: torch.Tensor) -> float:
-    """ms a call of fn(weight copy) as one CUDA graph replaying it over enough weight copies that
-    each call reads its weight from HBM (>= 4x L2 in all), divided by the calls: the GPU time a
-    serving engine's captured decode step sees, without the host's launch cost."""
-    nbytes = weight.numel() * weight.element_size()
-    copies = [weight] + [weight.clone() for _ in range(max(1, -(-4 * L2_BYTES // nbytes)) - 1)]
-    for wi in copies:  # warm up / compile outside the capture
-        fn(wi)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for wi in copies:
-            fn(wi)
-    ms = bench(graph.replay) / len(copies)
-    del graph, copies
-    return ms
 
 
 def moe_align_torch(ids: torch.Tensor, E: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,19 +312,6 @@ def moe_weights(g: torch.Generator, E: int = 256, H: int = 7168, inter: int = 20
             deq[e] = (codes[e].view(torch.float8_e4m3fn).float() * s).to(torch.bfloat16)
         out[name], out[name + "_s"], out[name + "_bf16"] = codes, scales, deq
     return out
-
-
-def replay_ms(fn, n: int = 20) -> float:
-    """ms a call of fn as one CUDA graph of n calls (no host launch cost)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fn()
-    ms = bench(graph.replay) / n
-    del graph
-    return ms
 
 
 def moe_parts(T: int, w: dict, g: torch.Generator) -> dict:
@@ -453,7 +427,7 @@ def deepgemm_moe_gemms(x: torch.Tensor, ids: torch.Tensor, w: dict) -> dict:
             deq_a = a[r].float() * s_[r].repeat_interleave(128, 1)
             deq_w = wc[e].float() * ws[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
             want = deq_a @ deq_w.T
-            errs.append(rel(d[r], want))
+            errs.append(rel_err(d[r], want))
     N = flat.numel()
     out = {"deepgemm_padded_rows": m, "deepgemm_alignment": align, "deepgemm_rel_err": max(errs)}
     out["deepgemm_gate_up_ms"] = replay_ms(gate_up)
@@ -576,7 +550,7 @@ def moe_case(
             h = h.to(torch.bfloat16).float()  # the kernel keeps the intermediate in bf16
             h = quantize_ref(h) if fp8 else h
             want += wts[t, k] * (h @ weight("w2", e).T)[0]
-        errs.append(rel(got[t], want))
+        errs.append(rel_err(got[t], want))
     flops = 2 * T * K * 3 * H * inter
     row = {"T": T, "fp8": fp8, "form": form, "block_m": bm, "config": cfg, "down_config": cfg_down}
     row.update(rel_err=max(errs), flops=flops)

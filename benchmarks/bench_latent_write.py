@@ -18,7 +18,7 @@ import argparse
 import json
 
 import torch
-import triton.testing
+from common import bench_ms, copy_gbps
 
 BLOCKS, BLOCK = 4097, 64  # 4096 blocks of 64 tokens and the null block, the last
 
@@ -35,15 +35,7 @@ def new_form(cache, rows, slots):
 
 def bench(fn) -> float:
     """Median milliseconds of fn (events, after a warm-up)."""
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-
-
-def copy_ceiling() -> float:
-    """Device-to-device copy GB/s (read + write) over 1 GiB."""
-    a = torch.empty(2**29, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    ms = bench(lambda: b.copy_(a))
-    return 2 * a.numel() * 2 / ms / 1e6
+    return bench_ms(fn, rep=300, warmup=50, mode="median")
 
 
 def check(T: int) -> None:
@@ -66,7 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    ceiling = copy_ceiling()
+    ceiling = copy_gbps(2**30, bench)
     cache = torch.empty((BLOCKS, BLOCK, 1, 576), dtype=torch.bfloat16, device="cuda").normal_()
     table = []
     for T in (1, 8, 32, 128, 256):

@@ -28,9 +28,11 @@ import os
 import sys
 
 import torch
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from common import bench_ms as bench  # noqa: E402
+from common import bf16_tflops, copy_gbps, rel_err  # noqa: E402
 
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import (  # noqa: E402
     launch_dequant_mla_fp8_cache,
@@ -45,28 +47,6 @@ from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa
 
 DEV = "cuda"
 SCALE = 0.1352
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200)
-
-
-def ceiling() -> float:
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    ms = bench(lambda: a @ a)
-    return 2 * 8192**3 / ms / 1e9
-
-
-def copy_bandwidth() -> float:
-    """GB/s of a 2 GiB device copy (read + write)."""
-    a = torch.empty(2**30, device=DEV, dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    ms = bench(lambda: b.copy_(a))
-    return 2 * a.numel() * 2 / ms / 1e6
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want).norm() / want.norm()).item()
 
 
 def mha_reference(q, k, kr, v, qi, qpos, kpos, W):
@@ -307,8 +287,8 @@ def main() -> None:
         return
     res = {
         "device": torch.cuda.get_device_name(),
-        "bf16_matmul_tflops": ceiling(),
-        "copy_gbps": copy_bandwidth(),
+        "bf16_matmul_tflops": bf16_tflops(),
+        "copy_gbps": copy_gbps(),
         "rows": [],
         "decode": [],
     }

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import torch
+from common import copy_gbps, per_call_ms
 
 from fastdeploy.model_executor.layers.sampler import sample
 from fastdeploy.model_executor.ops.triton_ops import sampling_kernel
@@ -29,29 +30,6 @@ from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (
 from fastdeploy.sampling_params import SamplingState
 
 VOCAB = 129280  # DeepSeek-V3
-
-
-def timed(fn, iters=50) -> float:
-    """Median ms of fn over iters, CUDA events around each call."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return float(np.median(out))
-
-
-def copy_gbs() -> float:
-    x = torch.empty(2**28, dtype=torch.float32, device="cuda")
-    y = torch.empty_like(x)
-    ms = timed(lambda: y.copy_(x), 20)
-    return 2 * x.numel() * 4 / ms / 1e6
 
 
 def torch_sampler(logits, temp, top_k, top_p, gen):
@@ -118,16 +96,16 @@ def case(B: int, sampled: bool, penalties: bool, rng, block: int = 2048, warps: 
     def ours():
         run(sampling_kernel)
 
-    ours_ms = timed(ours)
+    ours_ms = per_call_ms(ours)
     ours()  # the same launches captured: GPU time without the eager launch cost
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(10):
             ours()
-    graph_ms = timed(graph.replay, iters=20) / 10
+    graph_ms = per_call_ms(graph.replay, iters=20) / 10
     del graph
-    before_ms = timed(lambda: run(before)) if before is not None else float("nan")
+    before_ms = per_call_ms(lambda: run(before)) if before is not None else float("nan")
     # correctness on the device: greedy = arg-max; sampled tokens inside torch's top-50 / top-0.9 set
     args["counts"].zero_()
     ours()
@@ -145,7 +123,11 @@ def case(B: int, sampled: bool, penalties: bool, rng, block: int = 2048, warps: 
     temp = torch.full((B, 1), 0.8, device=dev)
     tk = torch.full((B,), 50, device=dev, dtype=torch.long)
     tp = torch.full((B,), 0.9, device=dev)
-    torch_ms = timed(lambda: torch_sampler(logits, temp, tk, tp, gen)) if sampled else timed(lambda: logits.argmax(-1))
+    torch_ms = (
+        per_call_ms(lambda: torch_sampler(logits, temp, tk, tp, gen))
+        if sampled
+        else per_call_ms(lambda: logits.argmax(-1))
+    )
     states = [
         SamplingState(
             temperature=float(f[0, 0]),
@@ -224,7 +206,7 @@ def main() -> None:
         spec = importlib.util.spec_from_file_location("sampling_kernel_before", a.before)
         before = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(before)
-    ceiling = copy_gbs()
+    ceiling = copy_gbps(2**30, per_call_ms)
     rows = []
     print(f"device copy: {ceiling:.0f} GB/s")
     print(

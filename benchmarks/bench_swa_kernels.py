@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 import torch
-import triton
-import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from common import bench_ms, bf16_tflops, copy_gbps, rel_err, rotating, rotation  # noqa: E402
 
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import launch_write_mla_fp8_cache  # noqa: E402
 from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa: E402
@@ -40,7 +39,6 @@ from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer_kernel import launch_swa_indexer  # noqa: E402
 
 DEV = "cuda"
-L2_BYTES = 60 * 2**20
 SCALE = 0.1352
 BLOCK = 64
 
@@ -49,25 +47,8 @@ GRAPH = {"on": False}  # --cudagraph: time our kernels as CUDA-graph replays (no
 
 
 def bench(fn, rep_ms: int = 200, graph: bool = False) -> float:
-    if graph and GRAPH["on"]:
-        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
-
-
-def rotating(fn, n: int):
-    """A no-argument callable that calls fn(0), fn(1), ..., fn(n - 1), fn(0), ... in turn."""
-    state = {"i": -1}
-
-    def call():
-        state["i"] = (state["i"] + 1) % n
-        fn(state["i"])
-
-    return call
-
-
-def rotation(nbytes: int) -> int:
-    """Copies of an input so that a round of calls reads >= 4x L2 of cold memory."""
-    return max(1, min(16, math.ceil(4 * L2_BYTES / max(nbytes, 1))))
+    """Median ms; ``graph``: as CUDA-graph replays when --cudagraph asks."""
+    return bench_ms(fn, rep=rep_ms, mode="median", graph=graph and GRAPH["on"])
 
 
 # ---------------------------------------------------------------- torch references
@@ -121,25 +102,15 @@ def sparse_mla_torch(q, cache, idx, scale, dtype=torch.float32, chunk_bytes=2**3
     return torch.cat(outs), torch.cat(lses)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
 # ---------------------------------------------------------------- ceilings
 
 
 def ceilings() -> dict:
-    n = 2**30  # 1 GiB each way
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    copy_gbs = 2 * n / ms / 1e6
-    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    ms = bench(lambda: a @ b)
-    mm = 2 * 8192**3 / ms / 1e9
-    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": mm, "gpu": torch.cuda.get_device_name()}
+    return {
+        "copy_GBps": copy_gbps(2**30, bench),
+        "bf16_matmul_TFLOPs": bf16_tflops(),
+        "gpu": torch.cuda.get_device_name(),
+    }
 
 
 # ---------------------------------------------------------------- cases

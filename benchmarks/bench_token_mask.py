@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 import torch
-from bench_sampler import copy_gbs, timed  # CUDA-event timing and the copy ceiling, as there
+from common import copy_gbps, per_call_ms  # CUDA-event timing and the copy ceiling
 
 from fastdeploy.model_executor.ops.triton_ops.token_mask_kernel import launch_apply_token_bitmask
 
@@ -60,7 +60,7 @@ def case(B: int, rows: int, rng) -> dict:
     got = after().clone()
     assert torch.equal(got, want), "the kernel disagrees with the where path"
     dev_words, dev_rows = torch.from_numpy(words).cuda(), torch.from_numpy(idx).cuda()
-    kernel_ms = timed(lambda: launch_apply_token_bitmask(logits, dev_words, dev_rows, MASKED))
+    kernel_ms = per_call_ms(lambda: launch_apply_token_bitmask(logits, dev_words, dev_rows, MASKED))
     t = time.perf_counter()
     for _ in range(20):
         full = np.ones((B, VOCAB), bool)
@@ -70,8 +70,8 @@ def case(B: int, rows: int, rng) -> dict:
     return {
         "B": B,
         "rows": rows,
-        "before_ms": timed(before),
-        "after_ms": timed(after),
+        "before_ms": per_call_ms(before),
+        "after_ms": per_call_ms(after),
         "kernel_ms": kernel_ms,
         "kernel_gbs": written / kernel_ms / 1e6,
         "host_unpack_ms_before": host_unpack_ms,
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    copy = copy_gbs()
+    copy = copy_gbps(2**30, per_call_ms)
     rows = [case(B, r, rng) for B, r in ((1, 1), (32, 32), (256, 32), (256, 256))]
     print(f"device copy {copy:.0f} GB/s, vocab {VOCAB}")
     print("| B | masked rows | before ms | after ms | speedup | kernel ms | kernel GB/s | host unpack ms (before) |")

@@ -1,17 +1,14 @@
-"""benchmarks/bench_decode_step.py times a decoder layer's decode step as lists of the project's
-Triton kernels; this records the kernels the tiny FP8 model really launches in a decode step
-(through the interpreter) and checks them against those lists, so the benchmark cannot drift
-from the model."""
+"""benchmarks/bench_decode_step.py times a decoder layer's decode step as the kernel lists of
+``model_executor/decode_kernels.py``; this records the kernels the tiny FP8 model really launches
+in a decode step (through the interpreter) and checks them against those lists, so the benchmark
+cannot drift from the model."""
 
-import os
 import sys
 
 from fastdeploy import LLM, SamplingParams
+from fastdeploy.model_executor import decode_kernels as bench
 from fastdeploy.model_executor.ops.triton_ops import launcher
 from fastdeploy.tools.make_tiny_model import make_tiny_model
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-import bench_decode_step as bench  # noqa: E402 - a broken benchmark fails here, it is not skipped
 
 
 def test_the_benchmark_launches_what_the_model_launches(tmp_path, monkeypatch):

@@ -8,12 +8,14 @@ import pytest
 from test_fp8_gemm import e4m3_round
 
 from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, quantize_fp8_blocks
-from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref, moe_align
-from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (
+from fastdeploy.model_executor.ops.triton_ops.expert_sort_kernel import (
     ALIGN_KERNEL_MAX,
     align_scratch_size,
     launch_moe_align,
     launch_moe_align_chunks,
+)
+from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref, moe_align
+from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (
     launch_moe_gemm,
     launch_moe_sum,
     moe_tile_config,

@@ -14,7 +14,7 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     out = tmp_path / "res.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     res = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "kernel_resources.py"), "--json", str(out)],
+        [sys.executable, os.path.join(ROOT, "tools", "kernel_resources.py"), "--json", str(out)],
         capture_output=True,
         text=True,
         env=env,

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import paddle
 
+from fastdeploy.model_executor.ops.triton_ops.expert_sort_kernel import (
+    ALIGN_KERNEL_MAX,
+    align_scratch_size,
+    launch_expert_sort,
+)
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import w8a8_block_linear_ref
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_act_quant
 from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (
-    ALIGN_KERNEL_MAX,
-    align_scratch_size,
     aligned_rows,
     block_m_for,
-    launch_expert_sort,
     launch_moe_gemm,
     launch_moe_sum,
     moe_tile_config,

@@ -1,7 +1,7 @@
 """Compile every project Triton kernel for sm_90 (H100/H200) on any machine, no GPU needed,
 and print the compiler's resource report: registers per thread, spills, shared memory.
 
-    TRITON_INTERPRET=0 python benchmarks/kernel_resources.py [--json OUT]
+    TRITON_INTERPRET=0 python tools/kernel_resources.py [--json OUT]
 
 Catches what the interpreter cannot (non-constexpr globals, layout or shared-memory limits)
 and shows the register pressure behind the benchmark numbers.
@@ -25,6 +25,9 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
+    expert_sort_kernel as expert_sort,
+)
 from fastdeploy.model_executor.ops.triton_ops import (  # noqa: E402
     fp8_gemm_kernel as gemm,
 )
@@ -266,7 +269,7 @@ def cases():
     )
     yield (
         "moe_align",
-        moe._moe_align_kernel,
+        expert_sort._moe_align_kernel,
         {
             "Ids": "*i64",
             "SortedIds": "*i32",
@@ -283,7 +286,7 @@ def cases():
     i32 = dict.fromkeys(("N", "E", "P"), "i32")
     yield (
         "moe_align_count",
-        moe._align_count_kernel,
+        expert_sort._align_count_kernel,
         {"Ids": "*i64", "Counts": "*i32", "SortedIds": "*i32", **i32}
         | {"BLOCK": "constexpr", "BLOCK_E": "constexpr", "FILL": "constexpr"},
         {"BLOCK": 32, "BLOCK_E": 256, "FILL": 64},
@@ -291,7 +294,7 @@ def cases():
     )
     yield (
         "moe_align_scan",
-        moe._align_scan_kernel,
+        expert_sort._align_scan_kernel,
         {"Counts": "*i32", "Totals": "*i32", "C": "i32", "BLOCK_C": "constexpr", "BLOCK_E": "constexpr"}
         | {"COLS": "constexpr"},
         {"BLOCK_C": 64, "BLOCK_E": 256, "COLS": 16},
@@ -299,7 +302,7 @@ def cases():
     )
     yield (
         "moe_align_starts",
-        moe._align_starts_kernel,
+        expert_sort._align_starts_kernel,
         {"Totals": "*i32", "Starts": "*i32", "BlockExpert": "*i32", "E": "i32", "P": "i32"}
         | {"BLOCK_M": "constexpr", "BLOCK_E": "constexpr"},
         {"BLOCK_M": 64, "BLOCK_E": 256},
@@ -307,7 +310,7 @@ def cases():
     )
     yield (
         "moe_align_scatter",
-        moe._align_scatter_kernel,
+        expert_sort._align_scatter_kernel,
         {"Ids": "*i64", "Counts": "*i32", "Starts": "*i32", "SortedIds": "*i32", "N": "i32", "E": "i32"}
         | {"BLOCK": "constexpr", "BLOCK_E": "constexpr"},
         {"BLOCK": 32, "BLOCK_E": 256},
