@@ -42,4 +42,4 @@ def mtp_model_dir(tmp_path_factory) -> str:
 
 import sys  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/numpy_refs.py
+sys.path.insert(0, os.path.dirname(__file__))  # tests/ref.py

@@ -6,7 +6,7 @@ import types
 
 import numpy as np
 import torch
-from numpy_refs import dequant_records, sparse_mla_np
+from ref import dequant_records, sparse_mla_np
 
 
 def _attend(q, kv, idx, scale):  # q [s, h, 576], kv [S, 576] float64, idx [s, topk]

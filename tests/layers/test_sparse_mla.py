@@ -7,7 +7,7 @@ import numpy as np
 import paddle
 import pytest
 from fake_flash_mla import fake_flash_mla
-from numpy_refs import dequant_records, sparse_mla_np
+from ref import dequant_records, sparse_mla_np
 
 from fastdeploy.config import KernelConfig
 from fastdeploy.model_executor.kernel_select import select_kernels

@@ -7,7 +7,7 @@ import numpy as np
 import paddle
 import pytest
 from model_harness import Harness, assert_close_with_routing_flips, position_errors, rel
-from numpy_refs import dequant_records
+from ref import dequant_records
 
 from fastdeploy.config import KernelConfig
 from fastdeploy.model_executor.layers.rotary_embedding import deepseek_softmax_scale

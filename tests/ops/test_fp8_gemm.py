@@ -5,6 +5,7 @@ weights de-quantized per 128 x 128 block), on shapes that are not tile multiples
 import numpy as np
 import paddle
 import pytest
+from ref import GRID, e4m3_round, w8a8_ref
 
 from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import (
@@ -14,30 +15,6 @@ from fastdeploy.model_executor.ops.triton_ops.fp8_gemm import (
     w8a8_block_linear_ref,
 )
 from fastdeploy.model_executor.ops.triton_ops.fp8_gemm_kernel import launch_w8a8_gemm
-
-GRID = E4M3_TO_F32[:127].astype(np.float64)  # the non-negative finite e4m3 values, codes 0..126
-
-
-def e4m3_round(x):
-    """Nearest e4m3 value, ties to the even code (float64)."""
-    a = np.abs(x)
-    hi = np.clip(np.searchsorted(GRID, a), 0, 126)
-    lo = np.clip(hi - 1, 0, 126)
-    take_lo = (a - GRID[lo] < GRID[hi] - a) | ((a - GRID[lo] == GRID[hi] - a) & (lo % 2 == 0))
-    return np.sign(x) * np.where(take_lo, GRID[lo], GRID[hi])
-
-
-def numpy_ref(x, codes, scale):
-    M, K = x.shape
-    N = codes.shape[0]
-    xq = np.zeros_like(x, dtype=np.float64)
-    for kb in range(0, K, 128):
-        blk = x[:, kb : kb + 128].astype(np.float64)
-        s = np.maximum(np.abs(blk).max(1, keepdims=True), 1e-12).astype(np.float32).astype(np.float64) / 448
-        s = s.astype(np.float32).astype(np.float64)  # the kernels keep the scale in float32
-        xq[:, kb : kb + 128] = e4m3_round(np.clip(blk / s, -448, 448)) * s
-    w = E4M3_TO_F32[codes].astype(np.float64) * np.repeat(np.repeat(scale, 128, 0), 128, 1)[:N, :K]
-    return xq @ w.T
 
 
 def make(rng, M, N, K):
@@ -54,7 +31,7 @@ def make(rng, M, N, K):
 def test_matches_float64(impl, M, N, K, rng):
     x, codes, scale = make(rng, M, N, K)
     got = impl(paddle.to_tensor(x), paddle.to_tensor(codes), paddle.to_tensor(scale)).numpy()
-    want = numpy_ref(x, codes, scale)
+    want = w8a8_ref(x, codes, scale)
     assert got.shape == (M, N) and np.isfinite(got).all()
     err = np.linalg.norm(got - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
     assert err.max() < 1e-5, err.max()  # float32 accumulation of identical products
@@ -83,7 +60,7 @@ def test_tiles_and_split_k(M, cfg, rng):
         part = paddle.full([cfg["split_k"], M, 300], float("nan"), "float32") if cfg["split_k"] > 1 else None
         full = {**cfg, "num_warps": 4, "num_stages": 1}
         launch_w8a8_gemm(a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, full, part, counters)
-        want = numpy_ref(x, codes, scale)
+        want = w8a8_ref(x, codes, scale)
         got = out.numpy()
         assert np.isfinite(got).all()
         assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
@@ -115,7 +92,7 @@ def test_linear_splits_k_with_shared_counters(rng):
     for _ in range(2):
         x, codes, scale = make(rng, 2, 256, 4096)
         got = w8a8_block_linear(paddle.to_tensor(x), paddle.to_tensor(codes), paddle.to_tensor(scale)).numpy()
-        want = numpy_ref(x, codes, scale)
+        want = w8a8_ref(x, codes, scale)
         assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
         assert (split_counters(paddle.CPUPlace()).numpy() == 0).all()
 
@@ -189,7 +166,7 @@ def test_quantization_inside_the_gemm(M, split_k, rng):
     part = paddle.full([split_k, M, 70], float("nan"), "float32") if split_k > 1 else None
     w, s = paddle.to_tensor(codes), paddle.to_tensor(scale)
     launch_w8a8_gemm(paddle.to_tensor(x), None, w, s, out, cfg, part, paddle.zeros([8], "int32"))
-    want = numpy_ref(x, codes, scale)
+    want = w8a8_ref(x, codes, scale)
     np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -234,7 +211,7 @@ def test_tma_path_matches_float64(M, N, K, pick, rng):
     assert cfg["tma"]
     out = paddle.full([M, N], float("nan"), "float32")
     launch_w8a8_gemm(a_t, s_t, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg)
-    want = numpy_ref(x, codes, scale)
+    want = w8a8_ref(x, codes, scale)
     got = out.numpy()
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
@@ -267,7 +244,7 @@ def test_tma_split_k_matches_float64(M, N, K, split, rng):
         out = paddle.full([m, N], float("nan"), "float32")
         part = paddle.full([split, m, N], float("nan"), "float32")
         launch_w8a8_gemm(a, a_s, paddle.to_tensor(codes), paddle.to_tensor(scale), out, cfg, part, counters)
-        want = numpy_ref(x, codes, scale)
+        want = w8a8_ref(x, codes, scale)
         assert np.abs(out.numpy() - want).max() < 1e-5 * np.abs(want).max()
         assert (counters.numpy() == 0).all()
         runs.append(out.numpy())
@@ -288,5 +265,5 @@ def test_linear_at_tma_sizes(M, N, K, split, rng, monkeypatch):
     monkeypatch.setattr(fp8_gemm, "tuned_config", lambda M, N, K, captured=False: {**cfg, "num_stages": 1})
     x, codes, scale = make(rng, M, N, K)
     got = w8a8_block_linear(paddle.to_tensor(x), paddle.to_tensor(codes), paddle.to_tensor(scale)).numpy()
-    want = numpy_ref(x, codes, scale)
+    want = w8a8_ref(x, codes, scale)
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()

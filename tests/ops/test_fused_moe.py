@@ -5,9 +5,9 @@ taking every token, other ranks' experts, T = 1 and shapes that are not tile mul
 import numpy as np
 import paddle
 import pytest
-from test_fp8_gemm import e4m3_round
+from ref import act_quant_ref, bf16_round, e4m3_decode, e4m3_round, expert_sort_ref, fused_moe_ref_np
 
-from fastdeploy.model_executor.ops.fp8_numerics import E4M3_TO_F32, quantize_fp8_blocks
+from fastdeploy.model_executor.ops.fp8_numerics import quantize_fp8_blocks
 from fastdeploy.model_executor.ops.triton_ops.expert_sort_kernel import (
     ALIGN_KERNEL_MAX,
     align_scratch_size,
@@ -20,33 +20,6 @@ from fastdeploy.model_executor.ops.triton_ops.fused_moe_kernel import (
     launch_moe_sum,
     moe_tile_config,
 )
-
-
-def act_q(x):
-    """Per row per 128 columns: scale amax / 448 (float32), nearest e4m3 (float64 out)."""
-    out = np.zeros_like(x, dtype=np.float64)
-    for c in range(0, x.shape[1], 128):
-        blk = x[:, c : c + 128].astype(np.float64)
-        s = (np.maximum(np.abs(blk).max(1, keepdims=True), 1e-12).astype(np.float32) / np.float32(448)).astype(
-            np.float64
-        )
-        out[:, c : c + 128] = e4m3_round(np.clip(blk / s, -448, 448)) * s
-    return out
-
-
-def numpy_moe(x, ids, wts, w1, w3, w2, fp8):
-    T, H = x.shape
-    y = np.zeros((T, H))
-    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
-    for t in range(T):
-        xt = act_q(x[t : t + 1]) if fp8 else x[t : t + 1].astype(np.float64)
-        for e, wt in zip(ids[t], wts[t], strict=True):
-            if not 0 <= e < w1.shape[0]:
-                continue  # another rank's expert
-            h = silu(xt @ w1[e].T) * (xt @ w3[e].T)
-            h = act_q(h.astype(np.float32)) if fp8 else h
-            y[t] += wt * (h @ w2[e].T)[0]
-    return y
 
 
 def make(rng, T, H, inter, E, top_k, fp8, route="random"):
@@ -70,12 +43,7 @@ def make(rng, T, H, inter, E, top_k, fp8, route="random"):
         codes.append(np.stack([c for c, _ in cs]))
         scales.append(np.stack([s for _, s in cs]))
         deq.append(
-            np.stack(
-                [
-                    E4M3_TO_F32[c].astype(np.float64) * np.kron(s, np.ones((128, 128)))[: c.shape[0], : c.shape[1]]
-                    for c, s in cs
-                ]
-            )
+            np.stack([e4m3_decode(c) * np.kron(s, np.ones((128, 128)))[: c.shape[0], : c.shape[1]] for c, s in cs])
         )
     return x, ids, wts, codes, deq, scales
 
@@ -98,7 +66,7 @@ def test_matches_float64(impl, fp8, T, H, inter, E, top_k, route, rng):
     t = paddle.to_tensor
     args = [t(x), t(ids.astype(np.int64)), t(wts)] + [t(w) for w in ws] + ([t(s) for s in scales] if fp8 else [])
     got = impl(*args).numpy()
-    want = numpy_moe(x, ids, wts, *deq, fp8)
+    want = fused_moe_ref_np(x, ids, wts, *deq, fp8)
     assert got.shape == (T, H) and np.isfinite(got).all()
     err = np.linalg.norm(got - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
     # float32 accumulation; with FP8 an intermediate near an e4m3 rounding boundary may land on
@@ -119,22 +87,6 @@ def test_align_sorts_and_pads_by_expert(rng):
         got.setdefault(int(e), []).extend(int(r) for r in blocks[b] if r < N)
     assert got == {0: [1], 1: [4], 2: [0, 2, 5, 7]}  # each expert's entries, in entry order
     assert (block_expert[: len(got)] >= 0).all() and (block_expert[len(got) :] == -1).all()
-
-
-def numpy_align(ids, E, bm):
-    """sorted_ids / block_expert by the definition: experts in order, each expert's entries in
-    entry order, runs padded to bm with N, blocks past the runs -1."""
-    flat = ids.reshape(-1)
-    N = flat.size
-    P = -(-(N + E * (bm - 1)) // bm) * bm
-    sorted_ids, block_expert, at = np.full(P, N), np.full(P // bm, -1), 0
-    for e in range(E):
-        mine = np.flatnonzero(flat == e)
-        sorted_ids[at : at + mine.size] = mine
-        run = -(-mine.size // bm) * bm
-        block_expert[at // bm : (at + run) // bm] = e
-        at += run
-    return sorted_ids, block_expert
 
 
 @pytest.mark.parametrize(
@@ -161,7 +113,7 @@ def test_align_matches_numpy(T, top_k, E, bm, rng):
     if T in (64, 300):
         ids[:, 0] = 7  # one expert takes every token
     sorted_ids, block_expert = (a.numpy() for a in moe_align(paddle.to_tensor(ids), E, bm))
-    want_ids, want_blocks = numpy_align(ids, E, bm)
+    want_ids, want_blocks = expert_sort_ref(ids, E, bm)
     np.testing.assert_array_equal(sorted_ids, want_ids)
     np.testing.assert_array_equal(block_expert, want_blocks)
     flat = paddle.to_tensor(ids.reshape(-1).astype(np.int64))
@@ -234,21 +186,13 @@ def test_weight_descriptors_match_float64(block_n, rng):
         if not 0 <= e < E:
             assert np.isnan(got_mid[entry]).all() and np.isnan(got_y[entry]).all()
             continue
-        xq = act_q(x[tok : tok + 1])
+        xq = act_quant_ref(x[tok : tok + 1])
         want = silu(xq @ deq[0][e].T) * (xq @ deq[1][e].T)
         np.testing.assert_allclose(got_mid[entry], want[0], rtol=1e-4, atol=1e-5)
-        hq = act_q(h[entry : entry + 1])
+        hq = act_quant_ref(h[entry : entry + 1])
         np.testing.assert_allclose(got_y[entry], wts.reshape(-1)[entry] * (hq @ deq[2][e].T)[0], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="w_tma needs FP8"):
         launch_moe_gemm(t(x), t(deq[0].astype(np.float32)), mid, sorted_ids, block_expert, N, k, 16, w_tma=True)
-
-
-def bf16(a: np.ndarray, nearest: bool = True) -> np.ndarray:
-    """Round float32 to bfloat16 (nearest, ties to even; or toward zero), back as float64."""
-    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
-    if nearest:
-        u = u + 0x7FFF + ((u >> 16) & 1)
-    return ((u >> 16) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 @pytest.mark.parametrize("impl", [fused_moe, fused_moe_ref], ids=["triton", "ref"])
@@ -260,7 +204,7 @@ def test_bf16_rounds_the_intermediate(impl, rng):
     zero (a GPU rounds to nearest even), so the kernel's reference rounds that way."""
     T, H, inter, E, top_k = 16, 128, 256, 4, 2
     x, ids, wts, ws, _, _ = make(rng, T, H, inter, E, top_k, False)
-    xb, wb = bf16(x), [bf16(w) for w in ws]
+    xb, wb = bf16_round(x), [bf16_round(w) for w in ws]
     t = paddle.to_tensor
     args = [t(x).astype("bfloat16"), t(ids.astype(np.int64)), t(wts)] + [t(w).astype("bfloat16") for w in ws]
     got = impl(*args).astype("float32").numpy().astype(np.float64)
@@ -274,8 +218,8 @@ def test_bf16_rounds_the_intermediate(impl, rng):
                 if 0 <= e < E:
                     h = silu(xb[tk] @ wb[0][e].T) * (xb[tk] @ wb[1][e].T)
                     if round_h:
-                        d = wt * (bf16(h.astype(np.float32), nearest) @ wb[2][e].T)
-                        y[tk] += bf16(d.astype(np.float32), nearest)
+                        d = wt * (bf16_round(h.astype(np.float32), nearest) @ wb[2][e].T)
+                        y[tk] += bf16_round(d.astype(np.float32), nearest)
                     else:
                         y[tk] += wt * (h @ wb[2][e].T)
         return y
@@ -305,7 +249,7 @@ def test_fp8_activation_ties_round_to_even(impl, rng):
     t = paddle.to_tensor
     args = [t(x), t(ids.astype(np.int64)), t(wts)] + [t(w) for w in codes] + [t(s) for s in scales]
     got = impl(*args).numpy()
-    want = numpy_moe(x, ids, wts, *deq, True)
+    want = fused_moe_ref_np(x, ids, wts, *deq, True)
     err = np.linalg.norm(got - want, axis=1) / np.maximum(np.linalg.norm(want, axis=1), 1e-30)
     assert np.median(err) < 1e-5 and err.max() < 3e-2, err
 

@@ -3,7 +3,7 @@
 import numpy as np
 import paddle
 import pytest
-from numpy_refs import decode_records
+from ref import decode_records
 
 from fastdeploy.model_executor.ops.triton_ops import mla_fp8_cache as m
 

@@ -5,23 +5,11 @@ context, and NaN in every key no query may see."""
 import numpy as np
 import paddle
 import pytest
+from ref import mla_prefill_ref_np
 
 from fastdeploy.model_executor.ops.triton_ops.mla_prefill import PrefillBatch, mla_prefill_attention, mla_prefill_ref
 
 SCALE = 0.1352
-
-
-def numpy_ref(q, k, kr, v, cu_q, cu_k, q_start, k_start, W):
-    out = np.zeros((q.shape[0], q.shape[1], 128))
-    for b in range(len(cu_q) - 1):
-        for i in range(cu_q[b], cu_q[b + 1]):
-            p = q_start[b] + i - cu_q[b]
-            lo = p - W + 1 if W > 0 else -(10**9)
-            js = [j for j in range(cu_k[b], cu_k[b + 1]) if lo <= k_start[b] + j - cu_k[b] <= p]
-            s = (np.einsum("hd,jhd->hj", q[i, :, :128], k[js]) + np.einsum("hd,jd->hj", q[i, :, 128:], kr[js])) * SCALE
-            e = np.exp(s - s.max(-1, keepdims=True))
-            out[i] = np.einsum("hj,jhd->hd", e / e.sum(-1, keepdims=True), v[js])
-    return out
 
 
 def make_batch(rng, reqs, W, H=4):
@@ -62,7 +50,7 @@ def test_matches_float64(impl, W, reqs, rng):
     q, k, kr, v, cu_q, cu_k, qs, ks = make_batch(rng, reqs, W)
     t = lambda x: paddle.to_tensor(x, "float32")  # noqa: E731
     got = impl(t(q), t(k), t(kr), t(v), PrefillBatch.of(cu_q, cu_k, qs, ks), SCALE, W).numpy()
-    want = numpy_ref(q, k, kr, v, cu_q, cu_k, qs, ks, W)
+    want = mla_prefill_ref_np(q, k, kr, v, cu_q, cu_k, qs, ks, W, SCALE)
     assert np.isfinite(got).all()
     err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
     assert err.max() < 1e-4, err.max()

@@ -4,15 +4,10 @@ the layer's two forms against each other."""
 import numpy as np
 import paddle
 import pytest
+from ref import rope_ref
 
 from fastdeploy.model_executor.layers.rotary_embedding import DeepseekRotaryEmbedding
 from fastdeploy.model_executor.ops.triton_ops.rotary_kernel import launch_rope
-
-
-def numpy_rope(x, cos, sin):
-    """x [..., 2h] float64: pairs (x[2i], x[2i+1]) rotated, the results de-interleaved."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return np.concatenate([even * cos - odd * sin, odd * cos + even * sin], -1)
 
 
 @pytest.mark.parametrize("T, H, nope, lora", [(5, 3, 128, 512), (1, 1, 16, 32), (0, 2, 16, 32)])
@@ -33,8 +28,8 @@ def test_kernel_matches_float64(T, H, nope, lora, rng):
     launch_rope(t(pos.astype(np.int64)), t(q), t(k), t(cos), t(sin), q_out, k_out)
     at = np.clip(pos, 0, P - 1)
     c, s = cos[at].astype(np.float64), sin[at].astype(np.float64)
-    want_q = numpy_rope(q[:, :, nope:].astype(np.float64), c[:, None], s[:, None])
-    want_k = numpy_rope(k[:, lora:].astype(np.float64), c, s)
+    want_q = rope_ref(q[:, :, nope:].astype(np.float64), c[:, None], s[:, None])
+    want_k = rope_ref(k[:, lora:].astype(np.float64), c, s)
     np.testing.assert_allclose(q_out.numpy(), want_q, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(k_out.numpy(), want_k, rtol=1e-6, atol=1e-6)
 

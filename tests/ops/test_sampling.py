@@ -5,31 +5,13 @@ independent implementation of the documented hash, raw logprobs, and draw distri
 import numpy as np
 import paddle
 import pytest
+from ref import gumbel_noise_ref
 
 from fastdeploy.model_executor.layers.sampler import adjusted_logits, kept_mask
 from fastdeploy.model_executor.ops.triton_ops.sampling import row_keys, sample_tokens
 from fastdeploy.sampling_params import SamplingState
 
 M32 = 0xFFFFFFFF
-
-
-def fmix32(h: np.ndarray) -> np.ndarray:
-    """murmur3's finalizer on uint64 lanes holding 32-bit values."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & M32
-    return h ^ (h >> 16)
-
-
-def noise64(key: np.ndarray, vocab: int) -> np.ndarray:
-    """float64 Gumbel noise of tokens 0..vocab-1 for one row key (int32 lo, hi)."""
-    lo, hi = (int(k) & M32 for k in key)
-    ids = np.arange(vocab, dtype=np.uint64)
-    h = fmix32(((ids * 0x9E3779B1) & M32) ^ np.uint64(lo))
-    h = fmix32(h ^ np.uint64(hi))
-    u = ((h >> 8).astype(np.float64) + 0.5) / 2**24
-    return -np.log(-np.log(u))
 
 
 class Batch:
@@ -100,7 +82,7 @@ class Batch:
             tok = int(np.argmax(z))
         else:
             y, keep = kept_mask(z, st)
-            tok = int(np.argmax(np.where(keep, y + noise64(self.keys[b], self.V), -np.inf)))
+            tok = int(np.argmax(np.where(keep, y + gumbel_noise_ref(self.keys[b], self.V), -np.inf)))
         logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
         return tok, logp[tok]
 

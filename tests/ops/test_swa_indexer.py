@@ -3,21 +3,9 @@
 import numpy as np
 import paddle
 import pytest
+from ref import swa_indexer_ref_py
 
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer import swa_indexer_ref, swa_indexer_triton
-
-
-def python_indexer(positions, bids, block_tables, bs, W, topk):
-    out = []
-    for p, b in zip(positions, bids, strict=True):
-        row = [-1] * topk
-        if p >= 0 and b >= 0:
-            n = min(W, p + 1)
-            for k, q in enumerate(range(p - n + 1, p + 1)):
-                blk = block_tables[b][q // bs]
-                row[k] = blk * bs + q % bs if blk >= 0 else -1
-        out.append(row)
-    return np.array(out, dtype=np.int32).reshape(len(positions), topk)
 
 
 def random_batch(rng, W, bs, n_req=4):
@@ -49,7 +37,7 @@ def test_matches_python(impl, bs, W, extra, rng):
     topk = W + extra
     got = impl(paddle.to_tensor(pos), paddle.to_tensor(bids), paddle.to_tensor(bt), bs, W, topk)
     assert got.dtype == paddle.int32 and list(got.shape) == [len(pos), topk]
-    want = python_indexer(pos.tolist(), bids.tolist(), bt.tolist(), bs, W, topk)
+    want = swa_indexer_ref_py(pos.tolist(), bids.tolist(), bt.tolist(), bs, W, topk)
     np.testing.assert_array_equal(got.numpy(), want)
 
 
@@ -88,7 +76,7 @@ def test_released_blocks_map_to_minus_one(impl, rng):
     pos = np.array([31, 32, 45, 71, 72, 95, 15, 16, 60], np.int32)
     bids = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1], np.int32)
     got = impl(paddle.to_tensor(pos), paddle.to_tensor(bids), paddle.to_tensor(bt), bs, W, W).numpy()
-    want = python_indexer(pos.tolist(), bids.tolist(), bt.tolist(), bs, W, W)
+    want = swa_indexer_ref_py(pos.tolist(), bids.tolist(), bt.tolist(), bs, W, W)
     np.testing.assert_array_equal(got, want)
     assert (got[0] == -1).all()  # position 31 sees 0..31: all released
     assert (got[2, :26] == -1).all() and (got[2, 26:] >= 0).all()  # 45 sees 6..45: 6..31 released

@@ -5,18 +5,9 @@ allowed token, unchanged bit for bit; vocabularies that end inside a 32-bit word
 import numpy as np
 import paddle
 import pytest
+from ref import token_mask_ref
 
 from fastdeploy.model_executor.ops.triton_ops.token_mask import MASKED_LOGIT, apply_token_bitmask, unpack_bitmask
-
-
-def reference(logits: np.ndarray, words: np.ndarray, rows: list[int]) -> np.ndarray:
-    out = logits.copy()
-    V = logits.shape[1]
-    for i, r in enumerate(rows):
-        for t in range(V):
-            if not (int(words[i, t // 32]) >> (t % 32)) & 1:
-                out[r, t] = MASKED_LOGIT
-    return out
 
 
 @pytest.mark.parametrize("triton", [True, False])
@@ -27,7 +18,7 @@ def test_apply_token_bitmask(triton, V, rng):
     rows = [3, 0, 4]
     words = rng.integers(-(2**31), 2**31, (len(rows), (V + 31) // 32), dtype=np.int64).astype(np.int32)
     words[1, :] = -1  # a row that allows everything
-    want = reference(logits, words, rows)
+    want = token_mask_ref(logits, words, rows, MASKED_LOGIT)
     got = apply_token_bitmask(paddle.to_tensor(logits), words, rows, triton).numpy()
     np.testing.assert_array_equal(got, want)  # bit-exact: masked tokens set, the rest untouched
     assert (got[3] == MASKED_LOGIT).sum() > V // 4 and (got[[1, 2]] == logits[[1, 2]]).all()
