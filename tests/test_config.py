@@ -169,3 +169,40 @@ def test_speculative_config_parses_both_method_names():
     assert SpeculativeConfig.parse(None).k == 0 and SpeculativeConfig.parse("").k == 0
     assert SpeculativeConfig.parse('{"method": "mtp"}').k == 1
     assert SpeculativeConfig.parse({"method": "deepseek_mtp", "num_speculative_tokens": 3}).k == 3
+
+
+def test_dtype_resolves_once_into_the_model_config():
+    """``--dtype``: auto is bfloat16 on a GPU and float32 on CPU; the others pass; anything else is
+    refused by name. EngineArgs writes the resolved dtype into ModelConfig.dtype, which the model,
+    its KV specs and the TP workers (inside the pickled FDConfig) read."""
+    from fastdeploy.config import resolve_dtype
+
+    assert resolve_dtype("auto", on_gpu=True) == "bfloat16"
+    assert resolve_dtype("auto", on_gpu=False) == "float32"
+    for d in ("float32", "bfloat16", "float16"):
+        assert resolve_dtype(d, on_gpu=False) == resolve_dtype(d, on_gpu=True) == d
+    with pytest.raises(ValueError, match="^dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got 'int8'$"):
+        resolve_dtype("int8", on_gpu=False)
+
+
+def test_kv_spec_for_is_a_function_of_the_configs():
+    """Each layer's KV layout from the model config (its SWA layers, its dtype) and the cache config
+    alone: SWA layers the 656-byte record, full layers 576 values in the model dtype, bf16 or the
+    record as kv_cache_dtype says."""
+    import dataclasses
+
+    from fastdeploy.model_executor.models.deepseek_v3 import kv_spec_for
+
+    c = cfg(sliding_window=128, window_attn_skip_freq=[1, 0, 1, 0, 1, 0, 1, 0])
+    for dtype, size in (("float32", 4), ("bfloat16", 2), ("float16", 2)):
+        mc = dataclasses.replace(c, dtype=dtype)
+        for kv, want in (
+            ("auto", ("full", dtype, 576 * size, 576)),
+            ("bf16", ("full", "bfloat16", 1152, 576)),
+            ("fp8", ("full", "uint8", 656, 656)),
+        ):
+            cc = CacheConfig(kv_cache_dtype=kv)
+            for layer in range(8):
+                s = kv_spec_for(mc, cc, layer)
+                got = (s.group, s.dtype, s.bytes_per_token, s.last_dim)
+                assert got == (("swa", "uint8", 656, 656) if layer % 2 == 0 else want), (dtype, kv, layer)

@@ -187,6 +187,8 @@ def test_kernel_choice_made_once_at_start_and_logged(tiny_model_dir, caplog):
     assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
     assert sum("sparse MLA attention provider: reference" in r.getMessage() for r in caplog.records) == 1
     assert llm.engine.config.kernel_config == KernelConfig(triton=False, sparse_mla_provider="reference")
+    assert llm.engine.config.model_config.dtype == "float32"  # --dtype auto on CPU, resolved once
+    assert {str(p.dtype) for p in llm.engine.runner.model.parameters()} == {"paddle.float32"}
     with pytest.raises(ValueError, match="kernel_backend: unknown backend 'cuda'"):
         LLM(model=tiny_model_dir, kernel_backend="cuda", **kw)
 
