@@ -13,6 +13,7 @@ from typing import Any
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+INDEXED = "indexed_attention"  # DSA layers (DeepSeek-V3.2), not supported yet
 FULL_GROUP, SWA_GROUP = "full", "swa"  # KV cache groups (docs/design.md §4.2)
 
 
@@ -54,6 +55,11 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = 1
     num_nextn_predict_layers: int = 0
     hidden_act: str = "silu"
+    # True (Hugging Face's default, DeepSeek's checkpoints): the rope dims of q and k come out of
+    # their projections as interleaved pairs; false: as two halves (NeoX), as DeepSeek-V3.2's
+    # indexer and GLM-5 store them. The loader reorders a false checkpoint's rope rows to pairs.
+    rope_interleave: bool = True
+    attention_bias: bool = False
     # SWA, resolved by _resolve_swa: W (None without a window) and one flag per layer.
     sliding_window: int | None = None
     window_attn_skip_freq: list[int] = field(default_factory=list)
@@ -89,6 +95,7 @@ class ModelConfig:
             "quantization",
             "mtp_layers",
         }
+        _refuse_unsupported(raw)
         cfg = cls(**{k: v for k, v in raw.items() if k in names})
         cfg.checkpoint_quant = _checkpoint_quant(raw.get("quantization_config"))
         if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
@@ -126,6 +133,25 @@ class ModelConfig:
         return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
 
 
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    """Keys of Hugging Face's DeepseekV3 config this engine does not implement, refused by name
+    rather than silently computed another way."""
+    if raw.get("model_type") == "deepseek_v32" or INDEXED in (raw.get("layer_types") or []):
+        raise ValueError(
+            "config: DeepSeek-V3.2's indexed attention (model_type 'deepseek_v32', layer_types "
+            f"{INDEXED!r}: DSA's lightning indexer) is not supported yet"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config key 'hidden_act'={act!r}: only 'silu' is supported (the MLPs and experts fuse SiLU)")
+    if raw.get("attention_bias"):
+        raise ValueError("config key 'attention_bias'=true: attention projections with biases are not supported")
+    if raw.get("tie_word_embeddings"):
+        raise ValueError("config key 'tie_word_embeddings'=true: an LM head tied to the embedding is not supported")
+    if not isinstance(raw.get("rope_interleave", True), bool):
+        raise ValueError(f"config key 'rope_interleave' must be true or false, got {raw['rope_interleave']!r}")
+
+
 def _checkpoint_quant(qc: Any) -> str | None:
     """``quantization_config`` -> "fp8" for DeepSeek's 128 x 128 block FP8, None when absent."""
     if qc is None:
@@ -143,11 +169,14 @@ QUANTIZATIONS = ("auto", "fp8", "none")
 
 
 def resolve_dtype(setting: str, on_gpu: bool) -> str:
-    """``--dtype``: auto is bfloat16 on a GPU and float32 on CPU."""
+    """``--dtype``: auto is bfloat16 on a GPU and float32 on CPU, where paddle's CPU build has no
+    16-bit matmul (a bfloat16 model would load and then fail every request)."""
     if setting == "auto":
         return "bfloat16" if on_gpu else "float32"
     if setting not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {setting!r}")
+    if setting != "float32" and not on_gpu:
+        raise ValueError(f"dtype {setting!r} needs a GPU: paddle's CPU kernels have no {setting} matmul; use float32")
     return setting
 
 

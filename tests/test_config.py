@@ -180,7 +180,11 @@ def test_dtype_resolves_once_into_the_model_config():
     assert resolve_dtype("auto", on_gpu=True) == "bfloat16"
     assert resolve_dtype("auto", on_gpu=False) == "float32"
     for d in ("float32", "bfloat16", "float16"):
-        assert resolve_dtype(d, on_gpu=False) == resolve_dtype(d, on_gpu=True) == d
+        assert resolve_dtype(d, on_gpu=True) == d
+    assert resolve_dtype("float32", on_gpu=False) == "float32"
+    for d in ("bfloat16", "float16"):  # paddle's CPU build has no 16-bit matmul: refused at start
+        with pytest.raises(ValueError, match=f"^dtype '{d}' needs a GPU: paddle's CPU kernels have no {d} matmul"):
+            resolve_dtype(d, on_gpu=False)
     with pytest.raises(ValueError, match="^dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got 'int8'$"):
         resolve_dtype("int8", on_gpu=False)
 
@@ -206,3 +210,24 @@ def test_kv_spec_for_is_a_function_of_the_configs():
                 s = kv_spec_for(mc, cc, layer)
                 got = (s.group, s.dtype, s.bytes_per_token, s.last_dim)
                 assert got == (("swa", "uint8", 656, 656) if layer % 2 == 0 else want), (dtype, kv, layer)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"hidden_act": "gelu"}, "config key 'hidden_act'='gelu': only 'silu' is supported"),
+        ({"attention_bias": True}, "config key 'attention_bias'=true: attention projections with biases"),
+        ({"tie_word_embeddings": True}, "config key 'tie_word_embeddings'=true: an LM head tied"),
+        ({"model_type": "deepseek_v32"}, "DeepSeek-V3.2's indexed attention .* is not supported yet"),
+        ({"layer_types": ["indexed_attention"] * 8}, "DeepSeek-V3.2's indexed attention .* is not supported yet"),
+        ({"rope_interleave": "no"}, "config key 'rope_interleave' must be true or false, got 'no'"),
+    ],
+)
+def test_keys_computed_another_way_are_refused_by_name(raw, message):
+    """Keys of Hugging Face's DeepseekV3 config the engine does not implement fail at load with
+    their name, instead of serving a model that silently differs (tests/models/
+    test_hf_deepseek_v3.py holds the implemented ones to HF's model)."""
+    with pytest.raises(ValueError, match=message):
+        cfg(**raw)
+    assert cfg(hidden_act="silu", attention_bias=False, tie_word_embeddings=False).rope_interleave is True
+    assert cfg(rope_interleave=False).rope_interleave is False

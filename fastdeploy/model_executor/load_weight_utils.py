@@ -106,10 +106,12 @@ def load_weights(
 ) -> int:
     """Copy every checkpoint tensor (this rank's slice of it) into its parameter (of the same name,
     or a slice of a stacked one: ``model.checkpoint_target``, None for a tensor another model or
-    rank loads); errors name the tensor (and the rank). Tensors of layers >= ``num_hidden_layers``
+    rank loads; its rows reordered where ``model.checkpoint_row_order`` says); errors name the
+    tensor (and the rank). Tensors of layers >= ``num_hidden_layers``
     are skipped (None: none). Returns the bytes read from the checkpoint."""
     params = dict(model.named_parameters())
     where = getattr(model, "checkpoint_target", lambda name: (name, None))
+    row_order = getattr(model, "checkpoint_row_order", lambda name, rows: None)
     rank = getattr(getattr(model, "tp", None), "rank", 0)
     sources: dict[str, SafeTensorsFile] = {}
     for path in checkpoint_files(model_dir):
@@ -154,6 +156,14 @@ def load_weights(
             rk = f" (tensor-parallel rank {rank})" if shard is not None and shard[3] != shard[2] - shard[1] else ""
             raise CheckpointError(f"tensor {k} has shape {list(f.shape(k))}, the model expects {expected}{rk}")
         x = f.get(k) if shard is None else f.get(k, *shard[:3])
+        order = row_order(k, x.shape[0])
+        if order is not None:
+            if t.param.dtype == paddle.uint8 and (order // FP8_BLOCK != np.arange(len(order)) // FP8_BLOCK).any():
+                raise CheckpointError(
+                    f"tensor {k}: rope_interleave=false moves rows across 128-row FP8 scale blocks, which a "
+                    "weight kept in FP8 cannot do; serve it with --quantization none"
+                )
+            x = x[order]
         if t.param.dtype == paddle.uint8:  # kept FP8: codes and scales as the checkpoint stores them
             s_name, s_index = where(k + "_scale_inv")
             scale = _Target(params, s_name, s_index)

@@ -78,7 +78,7 @@ class LayerCase:
         q = rms(x @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], c["rms_norm_eps"])
         q = (q @ w[a + "q_b_proj.weight"].T).reshape(n, H, nope + 64)
         pos = np.arange(L - n, L)
-        ang, mult = rope_angles(pos, 64, c["rope_theta"], c["rope_scaling"])
+        ang, mult = rope_angles(pos, 64, c["rope_theta"], c["rope_scaling"], c["max_position_embeddings"])
         q_pe = rotate_pairs(q[:, :, nope:], ang, mult)
         table = np.array(self.h.tables[self.group][rid])
         allpos = np.arange(L)

@@ -24,8 +24,23 @@ def _correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -
     return (dim * math.log(max_pos / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
 
-def yarn_inv_freq(dim: int, base: float, rope_scaling: dict | None) -> tuple[np.ndarray, float]:
-    """float64 inverse frequencies [dim // 2] and the cos/sin multiplier (YaRN's mscale ratio)."""
+def yarn_attention_factor(rope_scaling: dict) -> float:
+    """The cos/sin multiplier, as Hugging Face reads a YaRN config: ``attention_factor`` when
+    given; else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set (and
+    non-zero); else mscale(factor)."""
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor, m, m_all = float(rope_scaling["factor"]), rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if m and m_all:
+        return yarn_get_mscale(factor, m) / yarn_get_mscale(factor, m_all)
+    return yarn_get_mscale(factor)
+
+
+def yarn_inv_freq(dim: int, base: float, rope_scaling: dict | None, max_position: int = 0) -> tuple[np.ndarray, float]:
+    """float64 inverse frequencies [dim // 2] and the cos/sin multiplier (``yarn_attention_factor``).
+    ``original_max_position_embeddings`` defaults to ``max_position`` (the config's
+    max_position_embeddings), beta_fast / beta_slow to 32 / 1; ``truncate`` (default true)
+    rounds the correction range out to whole dimensions."""
     freq_extra = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if not rope_scaling:
         return freq_extra, 1.0
@@ -33,20 +48,19 @@ def yarn_inv_freq(dim: int, base: float, rope_scaling: dict | None) -> tuple[np.
     if kind != "yarn":
         raise ValueError(f"config key 'rope_scaling' type {kind!r} is not supported (only 'yarn')")
     factor = float(rope_scaling["factor"])
-    orig = int(rope_scaling["original_max_position_embeddings"])
-    beta_fast, beta_slow = float(rope_scaling.get("beta_fast", 32)), float(rope_scaling.get("beta_slow", 1))
+    orig = int(rope_scaling.get("original_max_position_embeddings") or max_position)
+    beta_fast, beta_slow = float(rope_scaling.get("beta_fast") or 32), float(rope_scaling.get("beta_slow") or 1)
     freq_inter = freq_extra / factor
-    low = max(math.floor(_correction_dim(beta_fast, dim, base, orig)), 0)
-    high = min(math.ceil(_correction_dim(beta_slow, dim, base, orig)), dim - 1)
+    low, high = _correction_dim(beta_fast, dim, base, orig), _correction_dim(beta_slow, dim, base, orig)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
     extra_mask = 1.0 - ramp
     inv_freq = freq_inter * (1 - extra_mask) + freq_extra * extra_mask
-    mscale = yarn_get_mscale(factor, rope_scaling.get("mscale", 1)) / yarn_get_mscale(
-        factor, rope_scaling.get("mscale_all_dim", 0)
-    )
-    return inv_freq, mscale
+    return inv_freq, yarn_attention_factor(rope_scaling)
 
 
 def deepseek_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
@@ -67,7 +81,7 @@ class DeepseekRotaryEmbedding(nn.Layer):
     ) -> None:
         super().__init__()
         self.dim, self.triton = dim, triton
-        inv_freq, mscale = yarn_inv_freq(dim, base, rope_scaling)
+        inv_freq, mscale = yarn_inv_freq(dim, base, rope_scaling, max_position)
         freqs = np.outer(np.arange(max_position, dtype=np.float64), inv_freq)
         self.max_position = max_position
         self.cos = paddle.to_tensor(np.cos(freqs) * mscale, dtype="float32")  # [P, d/2]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -31,6 +32,7 @@ from fastdeploy.model_executor.models.deepseek_v3 import (
     DeepseekV3DecoderLayer,
     DeepseekV3ForCausalLM,
     fp8_linears,
+    rope_row_order,
 )
 
 __all__ = ["DeepseekV3MTP", "DeepseekV3MTPLayer"]
@@ -86,6 +88,9 @@ class DeepseekV3MTP(nn.Layer):
     @property
     def target(self) -> DeepseekV3ForCausalLM:
         return self._target[0]
+
+    def checkpoint_row_order(self, name: str, rows: int) -> np.ndarray | None:
+        return rope_row_order(self.config, name, rows)
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         """Where checkpoint tensor ``name`` loads (as ``DeepseekV3ForCausalLM.checkpoint_target``):

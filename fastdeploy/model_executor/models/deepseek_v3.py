@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import paddle
 from paddle import nn
 
@@ -38,7 +39,28 @@ from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer
 
 __all__ = ["DeepseekV3ForCausalLM", "DeepseekV3MLAAttention", "get_swa_indexer_top_k", "kv_spec_for", "layer_kv_specs"]
 
+_ROPE_ROWS = re.compile(r"model\.layers\.\d+\.self_attn\.(q_b_proj|q_proj|kv_a_proj_with_mqa)\.weight$")
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)\.weight(_scale_inv)?$")
+
+
+def rope_row_order(cfg: ModelConfig, name: str, rows: int) -> np.ndarray | None:
+    """With ``rope_interleave`` false, the order of checkpoint tensor ``name``'s rows (``rows``: the
+    whole heads this rank reads) that makes its rope outputs interleaved pairs, as the rotary
+    reads them: pair i is (half row i, half row i + d/2), so rotating pairs rotates the halves as
+    NeoX does and the output is the same. None for other tensors and interleaved checkpoints."""
+    m = _ROPE_ROWS.match(name)
+    if cfg.rope_interleave or m is None:
+        return None
+    d = cfg.qk_rope_head_dim
+    pairs = np.stack([np.arange(d // 2), np.arange(d // 2) + d // 2], 1).reshape(-1)
+    order = np.arange(rows)
+    if m.group(1) == "kv_a_proj_with_mqa":  # [kv_lora_rank, rope]
+        order[rows - d :] = rows - d + pairs
+        return order
+    for head in range(rows // cfg.qk_head_dim):  # [nope, rope] a head
+        start = head * cfg.qk_head_dim + cfg.qk_nope_head_dim
+        order[start : start + d] = start + pairs
+    return order
 
 
 def fp8_linears(cfg: ModelConfig, kernels: KernelConfig) -> FP8Linear | None:
@@ -202,6 +224,9 @@ class DeepseekV3ForCausalLM(nn.Layer):
         kv_cache_dtype = fd_config.cache_config.kv_cache_dtype
         self.model = DeepseekV3Model(cfg, cfg.dtype, fd_config.kernel_config, tp, kv_cache_dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype)
+
+    def checkpoint_row_order(self, name: str, rows: int) -> np.ndarray | None:
+        return rope_row_order(self.config, name, rows)
 
     def checkpoint_target(self, name: str) -> tuple[str, int | None] | None:
         """Where checkpoint tensor ``name`` loads: (parameter name, None) for a tensor of its own

@@ -52,38 +52,50 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def rope_angles(positions, dim, base, rs):
-    """Angles [T, dim/2] of YaRN-scaled rotary and its cos/sin multiplier."""
+def rope_angles(positions, dim, base, rs, max_pos):
+    """Angles [T, dim/2] of YaRN-scaled rotary and its cos/sin multiplier, as Hugging Face reads
+    a YaRN config (original_max_position_embeddings defaults to max_pos; attention_factor, else
+    the mscale ratio when mscale and mscale_all_dim are both set, else mscale(factor))."""
     inv = base ** (-np.arange(0, dim, 2) / dim)
     mult = 1.0
     if rs:
         f = rs["factor"]
-        orig = rs["original_max_position_embeddings"]
+        orig = rs.get("original_max_position_embeddings") or max_pos
 
         def corr(rot):
             return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
 
-        lo = max(math.floor(corr(rs["beta_fast"])), 0)
-        hi = min(math.ceil(corr(rs["beta_slow"])), dim - 1)
+        lo, hi = corr(rs.get("beta_fast") or 32), corr(rs.get("beta_slow") or 1)
+        if rs.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
         ramp = np.clip((np.arange(dim // 2) - lo) / (hi - lo + (0.001 if lo == hi else 0)), 0, 1)
         inv = inv / f * ramp + inv * (1 - ramp)
 
         def msc(m):
             return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1
 
-        mult = msc(rs.get("mscale", 1)) / msc(rs.get("mscale_all_dim", 0))
+        if rs.get("attention_factor") is not None:
+            mult = rs["attention_factor"]
+        elif rs.get("mscale") and rs.get("mscale_all_dim"):
+            mult = msc(rs["mscale"]) / msc(rs["mscale_all_dim"])
+        else:
+            mult = msc(1)
     return np.outer(positions, inv), mult
 
 
-def rotate_pairs(x, ang, mult):
-    """Rotate interleaved pairs (x[2i], x[2i+1]) by ang[..., i]; x [..., T, (H,) dim]."""
+def rotate_pairs(x, ang, mult, interleaved=True):
+    """Rotate pairs by ang[..., i]; x [..., T, (H,) dim]: interleaved pairs (x[2i], x[2i+1]), or
+    (``interleaved`` false, NeoX) halves (x[i], x[i + dim/2])."""
     c, s = np.cos(ang) * mult, np.sin(ang) * mult
     if x.ndim == 3:
         c, s = c[:, None], s[:, None]
-    e, o = x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    ev, od = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, half), slice(half, None))
+    e, o = x[..., ev], x[..., od]
     out = np.empty_like(x)
-    out[..., 0::2] = e * c - o * s
-    out[..., 1::2] = o * c + e * s
+    out[..., ev] = e * c - o * s
+    out[..., od] = o * c + e * s
     return out
 
 
@@ -185,7 +197,8 @@ def decoder_layer(
     if rs and rs.get("mscale_all_dim"):
         m = 0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1
         scale *= m * m
-    ang, mult = rope_angles(np.arange(T), rope, cfg["rope_theta"], rs)
+    ang, mult = rope_angles(np.arange(T), rope, cfg["rope_theta"], rs, cfg["max_position_embeddings"])
+    inter = cfg.get("rope_interleave", True)
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
     p = f"model.layers.{layer}."
     a = p + "self_attn."
@@ -198,8 +211,8 @@ def decoder_layer(
     q = q.reshape(T, H, nope + rope)
     kv_a = proj(h, w, a + "kv_a_proj_with_mqa.weight", act_fp8)
     kv_c = rms(kv_a[:, :512], w[a + "kv_a_layernorm.weight"], eps)
-    k_pe = rotate_pairs(kv_a[:, 512:], ang, mult)
-    q_pe = rotate_pairs(q[:, :, nope:], ang, mult)
+    k_pe = rotate_pairs(kv_a[:, 512:], ang, mult, inter)
+    q_pe = rotate_pairs(q[:, :, nope:], ang, mult, inter)
     if kv_format == "fp8":
         kv_c, k_pe = fp8_record_roundtrip(kv_c, k_pe)
     elif kv_format == "bf16":

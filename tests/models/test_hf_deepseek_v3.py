@@ -1,0 +1,98 @@
+"""Hugging Face's own DeepseekV3 (transformers, a test-only extra) against the engine on tiny random
+checkpoints (every layer full attention: HF's model has no window), over the config keys the
+engine reads another way than its defaults: YaRN's attention_factor and its mscale combinations,
+original_max_position_embeddings absent, rope_interleave false (the rope dims as NeoX halves; the
+loader reorders those rows), norm_topk_prob false. Prompt logprobs from a prefill chunked in 16s
+equal HF's float32 log-softmax, and the float64 reference model agrees with HF too."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV3ForCausalLM
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.model_executor.load_weight_utils import CheckpointError
+from fastdeploy.model_executor.models.deepseek_v3_reference import forward, load_np
+from fastdeploy.tools.tiny_checkpoint import make_tiny_model
+
+
+def edit_rope(**kw):
+    def edit(c):
+        c["rope_scaling"].update(kw)
+        for k in [k for k, v in kw.items() if v is None]:
+            c["rope_scaling"].pop(k)
+
+    return edit
+
+
+VARIANTS = {
+    "as_written": lambda c: None,
+    "rope_interleave_false": lambda c: c.update(rope_interleave=False),
+    "attention_factor": edit_rope(attention_factor=1.35),
+    "mscale_all_dim_alone": edit_rope(mscale=None),
+    "mscale_without_all_dim": edit_rope(mscale=0.707, mscale_all_dim=0),
+    "no_original_max_position": edit_rope(original_max_position_embeddings=None, beta_fast=None),
+    "neox_and_attention_factor_unnormalized": lambda c: (
+        c.update(rope_interleave=False, norm_topk_prob=False),
+        c["rope_scaling"].update(attention_factor=0.8),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("hf_base")), seed=11, swa_layers=[])
+
+
+def variant(base: str, dst: str, edit) -> tuple[str, dict]:
+    shutil.copytree(base, dst)
+    with open(f"{dst}/config.json") as f:
+        cfg = json.load(f)
+    edit(cfg)
+    with open(f"{dst}/config.json", "w") as f:
+        json.dump(cfg, f)
+    return dst, cfg
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_prompt_logprobs_equal_hugging_face(name, base_dir, tmp_path, rng):
+    d, cfg = variant(base_dir, str(tmp_path / name), VARIANTS[name])
+    ids = [int(x) for x in rng.integers(2, 500, 48)]
+    hf = DeepseekV3ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].double().numpy()
+    lsm = log_softmax(want)
+    llm = LLM(d, block_size=16, max_num_batched_tokens=16)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    out = llm.generate({"prompt_token_ids": ids}, sp)[0]
+    got = np.array([out.prompt_logprobs[p][ids[p]] for p in range(1, len(ids))])
+    np.testing.assert_allclose(got, lsm[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=2e-5)
+    assert out.outputs[0].token_ids == [int(np.argmax(want[-1]))]
+    ref = forward(load_np(d), cfg, ids)  # the float64 model reads the same keys the same way
+    np.testing.assert_allclose(log_softmax(ref), lsm, rtol=0, atol=2e-5)
+
+
+def test_rope_interleave_false_against_the_unreordered_rows(base_dir, tmp_path, rng):
+    """The reorder decides: the same weights read as NeoX halves give other logits than as pairs
+    (so the test above would fail without it), and an FP8 weight kept as FP8 whose reordered rows
+    would cross a 128-row scale block is refused by name."""
+    ids = [int(x) for x in rng.integers(2, 500, 24)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    pairs = LLM(base_dir, block_size=16).generate({"prompt_token_ids": ids}, sp)[0]
+    d, _ = variant(base_dir, str(tmp_path / "neox"), lambda c: c.update(rope_interleave=False))
+    halves = LLM(d, block_size=16).generate({"prompt_token_ids": ids}, sp)[0]
+    diff = max(abs(pairs.prompt_logprobs[p][ids[p]] - halves.prompt_logprobs[p][ids[p]]) for p in range(1, len(ids)))
+    assert diff > 1e-2
+    fp8 = make_tiny_model(str(tmp_path / "fp8"), seed=11, swa_layers=[], fp8=True)
+    d8, _ = variant(fp8, str(tmp_path / "fp8_neox"), lambda c: c.update(rope_interleave=False))
+    with pytest.raises(CheckpointError, match=r"q_b_proj\.weight: rope_interleave=false moves rows across 128-row"):
+        LLM(d8, block_size=16, quantization="fp8", kernel_backend="triton")
+    LLM(d8, block_size=16)  # de-quantized at load: any order
