@@ -217,3 +217,30 @@ def gumbel_noise_ref(key: np.ndarray, vocab: int) -> np.ndarray:
 
 
 GRID = e4m3_decode(np.arange(127))
+
+
+def pow2_e4m3_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., D] -> (e4m3 values [..., D], scale [...]) per D-vector: scale = 2^ceil(log2(amax / 448)),
+    amax floored at 1e-4 (DeepSeek-V3.2's act_quant with power-of-two scales)."""
+    amax = np.maximum(np.abs(x).max(-1), 1e-4)
+    scale = 2.0 ** np.ceil(np.log2(amax / 448.0))
+    return e4m3_round(np.clip(x / scale[..., None], -448, 448)), scale
+
+
+def lightning_index_ref(q, w, k, ends, topk, k_scale=None) -> tuple[np.ndarray, np.ndarray]:
+    """DSA's index score in float64: score[t, s] = k_scale[s] * sum_h w[t, h] relu(q[t, h] . k[s])
+    for s < ends[t]; the top min(topk, ends[t]) keys by score (ties to the lower id), -1 after.
+    -> (scores [T, S] with -inf past the ends, ids int [T, topk])."""
+    q, w, k = (np.asarray(a, np.float64) for a in (q, w, k))
+    T, S = q.shape[0], k.shape[0]
+    scores = np.full((T, S), -np.inf)
+    ids = np.full((T, topk), -1)
+    for t in range(T):
+        n = int(ends[t])
+        s = (w[t][:, None] * np.maximum(q[t] @ k[:n].T, 0)).sum(0)
+        if k_scale is not None:
+            s = s * np.asarray(k_scale, np.float64)[:n]
+        scores[t, :n] = s
+        pick = sorted(range(n), key=lambda j: (-s[j], j))[:topk]
+        ids[t, : len(pick)] = pick
+    return scores, ids

@@ -1,0 +1,106 @@
+"""DeepSeek-V3.2's lightning indexer ops (``ops/triton_ops/lightning_indexer.py``): the FP8
+quantization with power-of-two scales, the index scores and the top-k pick, against the float64
+reference (``ref.lightning_index_ref``) and against Hugging Face's own ``DeepseekV32Indexer``."""
+
+import numpy as np
+import paddle
+import pytest
+import torch
+from ref import lightning_index_ref, pow2_e4m3_ref
+
+from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import index_scores, index_topk, quantize_pow2_e4m3
+
+
+def test_quantize_pow2_e4m3_equals_the_reference(rng):
+    """Random vectors over six decades, an all-zero one and one at e4m3's top: the same values and
+    scales as the float64 reference, every scale a power of two, values within 448."""
+    x = (rng.standard_normal((7, 128)) * 10.0 ** rng.uniform(-3, 3, (7, 1))).astype(np.float32)
+    x[3] = 0
+    x[5, :3] = [448.0, -448.0, 447.0]
+    q, s = quantize_pow2_e4m3(paddle.to_tensor(x))
+    want_q, want_s = pow2_e4m3_ref(x.astype(np.float64))
+    np.testing.assert_array_equal(s.numpy().astype(np.float64), want_s)
+    np.testing.assert_array_equal(q.numpy().astype(np.float64), want_q)
+    assert (np.log2(s.numpy()) == np.round(np.log2(s.numpy()))).all() and np.abs(q.numpy()).max() <= 448
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["unquantized", "fp8"])
+def test_scores_and_pick_equal_the_reference(fp8, rng):
+    """T queries over S keys with ends at 1, topk - 1, topk, topk + 1 and S (causal prefill rows
+    and a long decode row): scores within float32 rounding, the same key sets in the same order."""
+    T, S, H, D, topk = 6, 40, 4, 128, 8
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k = rng.standard_normal((S, D)).astype(np.float32)
+    w = rng.standard_normal((T, H)).astype(np.float32) * H**-0.5 * D**-0.5
+    ends = np.array([1, topk - 1, topk, topk + 1, S - 3, S])
+    k_scale = None
+    if fp8:
+        qq, qs = pow2_e4m3_ref(q.astype(np.float64))
+        kq, ks = pow2_e4m3_ref(k.astype(np.float64))
+        q, w, k, k_scale = qq.astype(np.float32), (w * qs).astype(np.float32), kq.astype(np.float32), ks
+    t = paddle.to_tensor
+    got = index_scores(t(q), t(w), t(k), t(ends), None if k_scale is None else t(k_scale.astype(np.float32)))
+    ids = index_topk(got, t(ends), topk).numpy()
+    want, want_ids = lightning_index_ref(q, w, k, ends, topk, k_scale)
+    finite = np.isfinite(want)
+    assert (np.isfinite(got.numpy()) == finite).all()
+    np.testing.assert_allclose(got.numpy()[finite], want[finite], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert ids.dtype == np.int32 and (ids[0, 1:] == -1).all() and (ids[-1] >= 0).all()
+
+
+def test_ties_go_to_the_lower_key_id():
+    """Keys 2 and 5 equal (as are 1 and 4): equal scores, picked in id order; fewer keys than
+    topk pad with -1."""
+    k = np.zeros((6, 4), np.float32)
+    k[[2, 5], 0], k[[1, 4], 1], k[3, 2] = 1.0, 0.5, 0.25
+    q = np.ones((1, 1, 4), np.float32)
+    w = np.ones((1, 1), np.float32)
+    s = index_scores(paddle.to_tensor(q), paddle.to_tensor(w), paddle.to_tensor(k), paddle.to_tensor([6]))
+    assert index_topk(s, paddle.to_tensor([6]), 5).numpy().tolist() == [[2, 5, 1, 4, 3]]
+    assert index_topk(s, paddle.to_tensor([6]), 8).numpy().tolist() == [[2, 5, 1, 4, 3, 0, -1, -1]]
+
+
+def test_pick_equals_hugging_faces_indexer(rng):
+    """HF's DeepseekV32Indexer (float32, no FP8) on a causal prefill of 24 tokens with index_topk 8:
+    its q, k and head weights fed to index_scores / index_topk pick the same key set for every
+    query (HF's entries past a query's end are masked keys: compared up to min(topk, t + 1)); the
+    set and order may differ only between keys whose scores agree to float32 rounding (HF
+    computes the scores in another order)."""
+    from transformers.models.deepseek_v32.configuration_deepseek_v32 import DeepseekV32Config
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+        DeepseekV32Indexer,
+        DeepseekV32RotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    cfg = DeepseekV32Config(
+        hidden_size=64, q_lora_rank=32, index_n_heads=4, index_head_dim=128, index_topk=8,
+        qk_rope_head_dim=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=64,
+    )  # fmt: skip
+    idx = DeepseekV32Indexer(cfg, 0).eval()
+    T = 24
+    x, q_resid = torch.randn(1, T, 64), torch.randn(1, T, 32)
+    pos = torch.arange(T)[None]
+    cos, sin = DeepseekV32RotaryEmbedding(cfg)(x, pos)
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None]
+    hf = idx(x, q_resid, (cos, sin), mask, pos)[0].numpy()
+    with torch.no_grad():
+        q = idx.wq_b(q_resid).view(1, T, 4, 128)
+        k = idx.k_norm(idx.wk(x)).unsqueeze(2)
+        q_rot, k_rot = apply_rotary_pos_emb(q[..., :64], k[..., :64], cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q[..., 64:]], -1)[0].numpy()
+        k = torch.cat([k_rot, k[..., 64:]], -1)[0, :, 0].numpy()
+        w = (idx.weights_proj(x)[0] * 4**-0.5 * 128**-0.5).numpy()
+    ends = np.arange(1, T + 1)
+    t = paddle.to_tensor
+    scores = index_scores(t(q), t(w), t(k), t(ends)).numpy()
+    ids = index_topk(t(scores), t(ends), 8).numpy()
+    for r in range(T):
+        n = min(8, r + 1)
+        tol = 1e-6 * np.abs(scores[r, : r + 1]).max()
+        swapped = set(ids[r, :n].tolist()) ^ set(hf[r, :n].tolist())  # only at a tie across the cut
+        assert all(abs(scores[r, j] - scores[r, ids[r, n - 1]]) <= tol for j in swapped), r
+        assert (ids[r, n:] == -1).all()
+        assert (np.diff(scores[r, hf[r, :n]]) <= tol).all(), r  # HF's order is ours up to rounding
