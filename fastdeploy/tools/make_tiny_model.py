@@ -20,8 +20,8 @@ from fastdeploy.tools.tiny_checkpoint import make_tiny_model
 __all__ = ["make_tiny_model", "parse_swa_layers", "main"]
 
 
-def parse_swa_layers(ids: str, num_layers: int) -> list[int]:
-    """``all`` | ``none`` | ``0,2,3`` -> layer ids; raises ValueError naming the bad id."""
+def parse_swa_layers(ids: str, num_layers: int, flag: str = "--swa-layers") -> list[int]:
+    """``all`` | ``none`` | ``0,2,3`` -> layer ids; raises ValueError naming ``flag`` and the bad id."""
     if ids == "all":
         return list(range(num_layers))
     if ids == "none":
@@ -31,9 +31,9 @@ def parse_swa_layers(ids: str, num_layers: int) -> list[int]:
         try:
             i = int(part)
         except ValueError:
-            raise ValueError(f"--swa-layers: {part!r} is not a layer id (use ids, 'all' or 'none')") from None
+            raise ValueError(f"{flag}: {part!r} is not a layer id (use ids, 'all' or 'none')") from None
         if not 0 <= i < num_layers:
-            raise ValueError(f"--swa-layers: layer id {i} outside 0..{num_layers - 1}")
+            raise ValueError(f"{flag}: layer id {i} outside 0..{num_layers - 1}")
         out.append(i)
     return sorted(set(out))
 
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
         "--fp8", action="store_true", help="DeepSeek-V3's FP8 format: e4m3 projections, 128x128 block scales"
     )
     ap.add_argument("--mtp", action="store_true", help="add an MTP layer (the draft model) fitted to the model")
+    ap.add_argument("--dsa-layers", default=None, help="comma list of DeepSeek-V3.2 indexed layer ids, or 'all'")
+    ap.add_argument("--index-topk", type=int, default=16, help="keys each query of an indexed layer attends")
     args = ap.parse_args(argv)
     if args.num_layers < 1:
         ap.error("--num-layers must be >= 1")
@@ -62,10 +64,14 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--sliding-window must be >= 1")
     try:
         swa = None if args.swa_layers is None else parse_swa_layers(args.swa_layers, args.num_layers + args.mtp)
+        dsa = None if args.dsa_layers is None else parse_swa_layers(args.dsa_layers, args.num_layers, "--dsa-layers")
+        dense = args.first_k_dense_replace if args.first_k_dense_replace is not None else int(not args.mtp)
+        make_tiny_model(
+            args.out_dir, args.seed, args.num_layers, args.sliding_window, swa, dense, args.fp8, args.mtp, dsa,
+            args.index_topk,
+        )  # fmt: skip
     except ValueError as e:
         ap.error(str(e))
-    dense = args.first_k_dense_replace if args.first_k_dense_replace is not None else int(not args.mtp)
-    make_tiny_model(args.out_dir, args.seed, args.num_layers, args.sliding_window, swa, dense, args.fp8, args.mtp)
     if args.mtp:
         fit = fit_mtp(args.out_dir, args.seed)
         print(f"MTP layer fitted: first-draft acceptance {fit['acceptance_held_out']:.3f} on held-out continuations")

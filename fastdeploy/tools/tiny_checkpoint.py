@@ -85,12 +85,30 @@ def tiny_config(
     swa_layers: list[int] | None = None,
     first_k_dense: int = 1,
     mtp: bool = False,
+    dsa_layers: list[int] | None = None,
+    index_topk: int = 16,
 ) -> dict:
     """The tiny checkpoint's config.json. Default SWA layers: the even ones (both kinds present),
-    the MTP layer (id ``num_layers``, with ``mtp``) included."""
+    the MTP layer (id ``num_layers``, with ``mtp``) included, unless ``dsa_layers`` are given
+    (DeepSeek-V3.2's indexed layers: then none by default). Every layer indexed is DeepSeek-V3.2's
+    own config (``model_type`` deepseek_v32); a mix is spelled in HF's ``layer_types``."""
     n = num_layers + int(mtp)
+    dsa = sorted(dsa_layers or [])
     if swa_layers is None:
-        swa_layers = [i for i in range(n) if i % 2 == 0]
+        swa_layers = [] if dsa else [i for i in range(n) if i % 2 == 0]
+    if set(dsa) & set(swa_layers) or not all(0 <= i < n for i in dsa):
+        raise ValueError(f"DSA layers {dsa} must be layer ids in 0..{n - 1} and not SWA layers {swa_layers}")
+    cfg = _v3_config(num_layers, sliding_window, swa_layers, first_k_dense, mtp, n)
+    if dsa:
+        kinds = {**{i: "sliding_attention" for i in swa_layers}, **{i: "indexed_attention" for i in dsa}}
+        cfg["layer_types"] = [kinds.get(i, "full_attention") for i in range(num_layers)]
+        cfg.update(index_topk=index_topk, index_n_heads=4, index_head_dim=128)
+        if len(dsa) == n:
+            cfg.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"])
+    return cfg
+
+
+def _v3_config(num_layers: int, sliding_window: int, swa_layers: list[int], first_k_dense: int, mtp: bool, n: int):
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -174,6 +192,13 @@ def tiny_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         norm(a + "kv_a_layernorm.weight", cfg["kv_lora_rank"])
         lin(a + "kv_b_proj.weight", nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"])
         lin(a + "o_proj.weight", h, nh * cfg["v_head_dim"])
+        if i < n_main and (cfg.get("layer_types") or [""] * n_main)[i] == "indexed_attention":
+            x = a + "indexer."  # DeepSeek-V3.2's lightning indexer
+            lin(x + "wq_b.weight", cfg["index_n_heads"] * cfg["index_head_dim"], cfg["q_lora_rank"])
+            lin(x + "wk.weight", cfg["index_head_dim"], h)
+            norm(x + "k_norm.weight", cfg["index_head_dim"])
+            out[x + "k_norm.bias"] = (0.1 * rng.standard_normal(cfg["index_head_dim"])).astype(np.float32)
+            lin(x + "weights_proj.weight", cfg["index_n_heads"], h)
         m = p + "mlp."
         if i < cfg["first_k_dense_replace"]:
             _mlp(lin, m, h, cfg["intermediate_size"])
@@ -256,11 +281,14 @@ def make_tiny_model(
     first_k_dense: int = 1,
     fp8: bool = False,
     mtp: bool = False,
+    dsa_layers: list[int] | None = None,
+    index_topk: int = 16,
 ) -> str:
     """Write the checkpoint into ``out_dir`` (created); returns ``out_dir``. ``fp8``: DeepSeek-V3's
     FP8 format (projections as e4m3 codes with 128 x 128 block scales, ``quantization_config``).
-    ``mtp``: with one random MTP layer (``tools/mtp_fit.py`` fits it to the model)."""
-    cfg = tiny_config(num_layers, sliding_window, swa_layers, first_k_dense, mtp)
+    ``mtp``: with one random MTP layer (``tools/mtp_fit.py`` fits it to the model). ``dsa_layers``:
+    DeepSeek-V3.2's indexed layers (``tiny_config``), with their indexer weights."""
+    cfg = tiny_config(num_layers, sliding_window, swa_layers, first_k_dense, mtp, dsa_layers, index_topk)
     if fp8:
         cfg["quantization_config"] = dict(FP8_CONFIG)
     os.makedirs(out_dir, exist_ok=True)

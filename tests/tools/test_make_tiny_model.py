@@ -112,3 +112,50 @@ def test_safetensors_roundtrip_and_errors(tmp_path):
     bad.write_bytes((10**9).to_bytes(8, "little") + b"{}")
     with pytest.raises(ValueError, match="header length"):
         SafeTensorsFile(str(bad))
+
+
+def test_tiny_deepseek_v32_loads_in_hugging_faces_model_and_is_refused_here(tmp_path):
+    """``--dsa-layers all``: DeepSeek-V3.2's own config (model_type deepseek_v32, every layer
+    indexed, index_topk / index_n_heads / index_head_dim) and the indexer's weights under HF's
+    names, which HF's DeepseekV32ForCausalLM loads with no key missing, unexpected or mismatched
+    and runs; the engine refuses it by name until it serves indexed layers (issue 39)."""
+    import torch
+    from transformers import DeepseekV32ForCausalLM
+
+    d = str(tmp_path / "v32")
+    mtm.main([d, "--dsa-layers", "all", "--index-topk", "8"])
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    assert cfg["model_type"] == "deepseek_v32" and cfg["layer_types"] == ["indexed_attention"] * 4
+    assert (cfg["index_topk"], cfg["index_n_heads"], cfg["index_head_dim"]) == (8, 4, 128)
+    assert not any(cfg["window_attn_skip_freq"])
+    names = SafeTensorsFile(os.path.join(d, "model.safetensors")).keys()
+    assert {n.split("indexer.")[1] for n in names if ".indexer." in n} == {
+        "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight",
+    }  # fmt: skip
+    model, info = DeepseekV32ForCausalLM.from_pretrained(d, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        logits = model(torch.arange(2, 26)[None]).logits
+    assert logits.shape == (1, 24, cfg["vocab_size"]) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="DeepSeek-V3.2's indexed attention .* is not supported yet"):
+        ModelConfig.from_pretrained(d)
+
+
+def test_hybrid_layer_kinds(tmp_path, capsys):
+    """Indexed, sliding and full layers in one checkpoint: HF's layer_types names each (the SWA
+    flags agree), bad or overlapping ids are refused naming the flag."""
+    d = str(tmp_path / "hybrid")
+    mtm.main([d, "--dsa-layers", "1,3", "--swa-layers", "0"])
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    assert cfg["layer_types"] == ["sliding_attention", "indexed_attention", "full_attention", "indexed_attention"]
+    assert cfg["window_attn_skip_freq"] == [1, 0, 0, 0] and cfg["model_type"] == "deepseek_v3"
+    with pytest.raises(ValueError, match=r"DSA layers \[0\] must be layer ids in 0\.\.3 and not SWA layers \[0\]"):
+        tck.tiny_config(dsa_layers=[0], swa_layers=[0])
+    for args, msg in (
+        (["--dsa-layers", "7"], "--dsa-layers: layer id 7 outside 0..3"),
+        (["--dsa-layers", "x"], "--dsa-layers: 'x' is not a layer id"),
+        (["--dsa-layers", "0", "--swa-layers", "0"], "DSA layers [0] must be layer ids in 0..3 and not SWA layers [0]"),
+    ):
+        with pytest.raises(SystemExit):
+            mtm.main([str(tmp_path / "bad"), *args])
+        assert msg in capsys.readouterr().err
