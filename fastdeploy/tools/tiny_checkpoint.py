@@ -102,7 +102,9 @@ def tiny_config(
     if dsa:
         kinds = {**{i: "sliding_attention" for i in swa_layers}, **{i: "indexed_attention" for i in dsa}}
         cfg["layer_types"] = [kinds.get(i, "full_attention") for i in range(num_layers)]
-        cfg.update(index_topk=index_topk, index_n_heads=4, index_head_dim=128)
+        cfg.update(
+            index_topk=index_topk, index_n_heads=16, index_head_dim=128
+        )  # 16 heads: a key scores exactly 0 (a tie) only when all 16 relu terms are 0
         if len(dsa) == n:
             cfg.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"])
     return cfg

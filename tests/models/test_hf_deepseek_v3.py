@@ -96,3 +96,26 @@ def test_rope_interleave_false_against_the_unreordered_rows(base_dir, tmp_path, 
     with pytest.raises(CheckpointError, match=r"q_b_proj\.weight: rope_interleave=false moves rows across 128-row"):
         LLM(d8, block_size=16, quantization="fp8", kernel_backend="triton")
     LLM(d8, block_size=16)  # de-quantized at load: any order
+
+
+def test_float64_reference_equals_hugging_faces_deepseek_v32(tmp_path, rng):
+    """The float64 reference model with DeepSeek-V3.2's indexer (unquantized, as HF computes it)
+    against HF's DeepseekV32ForCausalLM on a tiny V3.2 checkpoint (every layer indexed, index_topk
+    8, 16 index heads): logits within float32 rounding on a sequence of 4 x index_topk, where the
+    selection decides (dense attention is far off), and on one no longer than index_topk, where it
+    does not (the reference equals dense attention there)."""
+    from transformers import DeepseekV32ForCausalLM
+
+    d = make_tiny_model(str(tmp_path / "v32"), seed=5, dsa_layers=[0, 1, 2, 3], index_topk=8)
+    cfg = json.load(open(f"{d}/config.json"))
+    hf = DeepseekV32ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    w = load_np(d)
+    dense = {**cfg, "layer_types": ["full_attention"] * 4}
+    for n in (32, 8):
+        ids = [int(x) for x in rng.integers(2, 500, n)]
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0].double().numpy()
+        got = forward(w, cfg, ids)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
+        off = np.abs(forward(w, dense, ids) - want).max()
+        assert off > 1e-2 if n > 8 else off < 2e-5 * np.abs(want).max(), (n, off)

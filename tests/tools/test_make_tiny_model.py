@@ -126,7 +126,7 @@ def test_tiny_deepseek_v32_loads_in_hugging_faces_model_and_is_refused_here(tmp_
     mtm.main([d, "--dsa-layers", "all", "--index-topk", "8"])
     cfg = json.load(open(os.path.join(d, "config.json")))
     assert cfg["model_type"] == "deepseek_v32" and cfg["layer_types"] == ["indexed_attention"] * 4
-    assert (cfg["index_topk"], cfg["index_n_heads"], cfg["index_head_dim"]) == (8, 4, 128)
+    assert (cfg["index_topk"], cfg["index_n_heads"], cfg["index_head_dim"]) == (8, 16, 128)
     assert not any(cfg["window_attn_skip_freq"])
     names = SafeTensorsFile(os.path.join(d, "model.safetensors")).keys()
     assert {n.split("indexer.")[1] for n in names if ".indexer." in n} == {

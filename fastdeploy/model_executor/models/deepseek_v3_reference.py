@@ -171,6 +171,40 @@ def fp8_record_roundtrip(kv_c: np.ndarray, k_pe: np.ndarray) -> tuple[np.ndarray
     return q.reshape(kv_c.shape), bf16_round(k_pe)
 
 
+def is_indexed(cfg: dict, layer: int) -> bool:
+    """A DeepSeek-V3.2 indexed (DSA) layer: ``model_type`` deepseek_v32 without ``layer_types``,
+    or its ``layer_types`` entry "indexed_attention"."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        return cfg.get("model_type") == "deepseek_v32"
+    return layer < len(kinds) and kinds[layer] == "indexed_attention"
+
+
+def indexer_pick(x, q_lat, w, a, cfg, ang, mult):
+    """DeepSeek-V3.2's lightning indexer over one sequence, unquantized (as Hugging Face's
+    DeepseekV32Indexer): q = wq_b(q_lat) [T, H, D], k = LayerNorm(wk(x)) [T, D], RoPE (NeoX halves
+    unless ``indexer_rope_interleave``) on their first qk_rope_head_dim dims, score[t, s] =
+    sum_h w[t, h] relu(q[t, h] . k[s]) with w = weights_proj(x) H^-0.5 D^-0.5 over s <= t; each
+    query keeps its top min(index_topk, t + 1) keys (ties to the lower id). -> bool [T, T] kept."""
+    T = x.shape[0]
+    H, D, R = cfg["index_n_heads"], cfg["index_head_dim"], cfg["qk_rope_head_dim"]
+    p = a + "indexer."
+    q = (q_lat @ w[p + "wq_b.weight"].T).reshape(T, H, D)
+    k = x @ w[p + "wk.weight"].T
+    mu, var = k.mean(-1, keepdims=True), k.var(-1, keepdims=True)
+    k = (k - mu) / np.sqrt(var + 1e-6) * w[p + "k_norm.weight"] + w[p + "k_norm.bias"]
+    inter = cfg.get("indexer_rope_interleave", False)
+    q = np.concatenate([rotate_pairs(q[..., :R], ang, mult, inter), q[..., R:]], -1)
+    k = np.concatenate([rotate_pairs(k[:, :R], ang, mult, inter), k[:, R:]], -1)
+    wt = (x @ w[p + "weights_proj.weight"].T) * H**-0.5 * D**-0.5
+    score = np.einsum("th,ths->ts", wt, np.maximum(np.einsum("thd,sd->ths", q, k), 0))
+    keep = np.zeros((T, T), bool)
+    for t in range(T):
+        order = sorted(range(t + 1), key=lambda s: (-score[t, s], s))
+        keep[t, order[: cfg["index_topk"]]] = True
+    return keep
+
+
 def bf16_round(x: np.ndarray) -> np.ndarray:
     u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
     u = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16) << 16
@@ -187,8 +221,9 @@ def decoder_layer(
     act_fp8: bool = False,
 ) -> np.ndarray:
     """One decoder layer (``model.layers.{layer}.*``) over a whole sequence x float64 [T, hidden]
-    at positions 0..T-1: MLA attention (window W or full; ``kv_format`` "fp8" / "bf16" rounds the
-    cached kv_c / k_pe as the cache stores them), then its dense MLP or MoE."""
+    at positions 0..T-1: MLA attention (window W, the keys DeepSeek-V3.2's indexer picks for an
+    indexed layer, or full; ``kv_format`` "fp8" / "bf16" rounds the cached kv_c / k_pe as the cache
+    stores them), then its dense MLP or MoE."""
     T = x.shape[0]
     H, nope, rope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     eps = cfg["rms_norm_eps"]
@@ -204,8 +239,8 @@ def decoder_layer(
     a = p + "self_attn."
     h = rms(x, w[p + "input_layernorm.weight"], eps)
     if cfg.get("q_lora_rank"):
-        q = rms(proj(h, w, a + "q_a_proj.weight", act_fp8), w[a + "q_a_layernorm.weight"], eps)
-        q = proj(q, w, a + "q_b_proj.weight", act_fp8)
+        q_lat = rms(proj(h, w, a + "q_a_proj.weight", act_fp8), w[a + "q_a_layernorm.weight"], eps)
+        q = proj(q_lat, w, a + "q_b_proj.weight", act_fp8)
     else:
         q = proj(h, w, a + "q_proj.weight", act_fp8)
     q = q.reshape(T, H, nope + rope)
@@ -222,6 +257,8 @@ def decoder_layer(
     qq = np.concatenate([q[:, :, :nope], q_pe], -1)
     s = np.einsum("thd,shd->hts", qq, k) * scale
     mask = (j <= i) & ((j > i - window) if window else True)
+    if is_indexed(cfg, layer):
+        mask &= indexer_pick(h, q_lat, w, a, cfg, ang, mult)
     s = np.where(mask[None], s, -np.inf)
     pr = np.exp(s - s.max(-1, keepdims=True))
     pr /= pr.sum(-1, keepdims=True)
