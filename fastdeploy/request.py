@@ -150,10 +150,11 @@ class Request:
 
 def sampling_batch(reqs: Sequence[Request], pending: Sequence[list[int]] | None = None) -> SamplingBatch:
     """The sampler's view of ``reqs``; ``pending[b]``: tokens of request b accepted in this step
-    before the row it samples (speculative verification), counted as its output."""
+    before the row it samples (speculative verification), counted as its output. A request with
+    none pending lends its own output list (no copy a row a step)."""
     return SamplingBatch(
         [r.request_id for r in reqs],
         [r.sampling_state for r in reqs],
         [r.prompt_token_ids for r in reqs],
-        [r.output_token_ids + list(pending[b]) if pending else list(r.output_token_ids) for b, r in enumerate(reqs)],
+        [r.output_token_ids + pending[b] if pending and pending[b] else r.output_token_ids for b, r in enumerate(reqs)],
     )

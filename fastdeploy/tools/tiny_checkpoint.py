@@ -92,25 +92,24 @@ def tiny_config(
     the MTP layer (id ``num_layers``, with ``mtp``) included, unless ``dsa_layers`` are given
     (DeepSeek-V3.2's indexed layers: then none by default). Every layer indexed is DeepSeek-V3.2's
     own config (``model_type`` deepseek_v32); a mix is spelled in HF's ``layer_types``."""
-    n = num_layers + int(mtp)
     dsa = sorted(dsa_layers or [])
     if swa_layers is None:
-        swa_layers = [] if dsa else [i for i in range(n) if i % 2 == 0]
-    if set(dsa) & set(swa_layers) or not all(0 <= i < n for i in dsa):
-        raise ValueError(f"DSA layers {dsa} must be layer ids in 0..{n - 1} and not SWA layers {swa_layers}")
-    cfg = _v3_config(num_layers, sliding_window, swa_layers, first_k_dense, mtp, n)
+        swa_layers = [] if dsa else [i for i in range(num_layers + int(mtp)) if i % 2 == 0]
+    if set(dsa) & set(swa_layers) or not all(0 <= i < num_layers for i in dsa):  # decoder layers only
+        raise ValueError(f"DSA layers {dsa} must be layer ids in 0..{num_layers - 1} and not SWA layers {swa_layers}")
+    cfg = _v3_config(num_layers, sliding_window, swa_layers, first_k_dense, mtp)
     if dsa:
         kinds = {**{i: "sliding_attention" for i in swa_layers}, **{i: "indexed_attention" for i in dsa}}
         cfg["layer_types"] = [kinds.get(i, "full_attention") for i in range(num_layers)]
-        cfg.update(
-            index_topk=index_topk, index_n_heads=16, index_head_dim=128
-        )  # 16 heads: a key scores exactly 0 (a tie) only when all 16 relu terms are 0
-        if len(dsa) == n:
+        # 16 heads: a key scores exactly 0 (a tie) only when all 16 relu terms are 0
+        cfg.update(index_topk=index_topk, index_n_heads=16, index_head_dim=128)
+        if len(dsa) == num_layers:
             cfg.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"])
     return cfg
 
 
-def _v3_config(num_layers: int, sliding_window: int, swa_layers: list[int], first_k_dense: int, mtp: bool, n: int):
+def _v3_config(num_layers: int, sliding_window: int, swa_layers: list[int], first_k_dense: int, mtp: bool) -> dict:
+    n = num_layers + int(mtp)
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -175,6 +174,7 @@ def tiny_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
 
     out["model.embed_tokens.weight"] = rng.standard_normal((cfg["vocab_size"], h)).astype(np.float32)
     n_main = cfg["num_hidden_layers"]
+    indexed = {i for i, kind in enumerate(cfg.get("layer_types") or []) if kind == "indexed_attention"}
     for i in [*range(n_main), "norm", *range(n_main, n_main + cfg.get("num_nextn_predict_layers", 0))]:
         if i == "norm":  # the target's head before the MTP layer: the same target with or without it
             norm("model.norm.weight", h)
@@ -194,7 +194,7 @@ def tiny_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
         norm(a + "kv_a_layernorm.weight", cfg["kv_lora_rank"])
         lin(a + "kv_b_proj.weight", nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), cfg["kv_lora_rank"])
         lin(a + "o_proj.weight", h, nh * cfg["v_head_dim"])
-        if i < n_main and (cfg.get("layer_types") or [""] * n_main)[i] == "indexed_attention":
+        if i in indexed:
             x = a + "indexer."  # DeepSeek-V3.2's lightning indexer
             lin(x + "wq_b.weight", cfg["index_n_heads"] * cfg["index_head_dim"], cfg["q_lora_rank"])
             lin(x + "wk.weight", cfg["index_head_dim"], h)
