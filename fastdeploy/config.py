@@ -13,7 +13,7 @@ from typing import Any
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-INDEXED = "indexed_attention"  # DSA layers (DeepSeek-V3.2), not supported yet
+INDEXED = "indexed_attention"  # DSA layers: DeepSeek-V3.2's lightning indexer picks their keys
 FULL_GROUP, SWA_GROUP = "full", "swa"  # KV cache groups (docs/design.md §4.2)
 
 
@@ -60,6 +60,15 @@ class ModelConfig:
     # indexer and GLM-5 store them. The loader reorders a false checkpoint's rope rows to pairs.
     rope_interleave: bool = True
     attention_bias: bool = False
+    # DSA (DeepSeek-V3.2's lightning indexer, docs/design.md §4.17): the keys an indexed layer
+    # attends, its index heads and their width; the indexer's rope is NeoX halves unless
+    # indexer_rope_interleave (DeepSeek's 2025-11 fix; GLM-5 and dots3 set true)
+    index_topk: int = 2048
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    indexer_rope_interleave: bool = False
+    # one flag a layer (decoder layers, then MTP layers): 1 where the layer is indexed (DSA)
+    index_flags: list[int] = field(default_factory=list)
     # SWA, resolved by _resolve_swa: W (None without a window) and one flag per layer.
     sliding_window: int | None = None
     window_attn_skip_freq: list[int] = field(default_factory=list)
@@ -94,6 +103,7 @@ class ModelConfig:
             "checkpoint_quant",
             "quantization",
             "mtp_layers",
+            "index_flags",
         }
         _refuse_unsupported(raw)
         cfg = cls(**{k: v for k, v in raw.items() if k in names})
@@ -101,6 +111,7 @@ class ModelConfig:
         if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
             raise ValueError(f"config key 'q_lora_rank' must be null or positive, got {cfg.q_lora_rank!r}")
         _resolve_swa(cfg, raw)
+        _resolve_indexed(cfg, raw)
         return cfg
 
     @property
@@ -111,7 +122,7 @@ class ModelConfig:
     def kv_cache_groups(self) -> dict[str, list[int]]:
         """Layer ids of each KV cache group that the model has (``full``, ``swa``): the decoder
         layers, then the MTP layers the engine runs (``mtp_layers``)."""
-        groups: dict[str, list[int]] = {}
+        groups: dict[str, list[int]] = {}  # DSA layers keep every token: the full group
         for i in range(self.num_hidden_layers + self.mtp_layers):
             groups.setdefault(SWA_GROUP if self.is_swa_layer(i) else FULL_GROUP, []).append(i)
         return groups
@@ -121,6 +132,10 @@ class ModelConfig:
         if not 0 <= layer_id < len(self.window_attn_skip_freq):
             raise IndexError(f"layer_id {layer_id} outside 0..{len(self.window_attn_skip_freq) - 1}")
         return self.window_attn_skip_freq[layer_id] == 1
+
+    def is_indexed_layer(self, layer_id: int) -> bool:
+        """True when layer ``layer_id`` is a DSA layer (DeepSeek-V3.2's lightning indexer)."""
+        return 0 <= layer_id < len(self.index_flags) and self.index_flags[layer_id] == 1
 
     @property
     def swa_layer_ids(self) -> list[int]:
@@ -136,11 +151,6 @@ class ModelConfig:
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
     """Keys of Hugging Face's DeepseekV3 config this engine does not implement, refused by name
     rather than silently computed another way."""
-    if raw.get("model_type") == "deepseek_v32" or INDEXED in (raw.get("layer_types") or []):
-        raise ValueError(
-            "config: DeepSeek-V3.2's indexed attention (model_type 'deepseek_v32', layer_types "
-            f"{INDEXED!r}: DSA's lightning indexer) is not supported yet"
-        )
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config key 'hidden_act'={act!r}: only 'silu' is supported (the MLPs and experts fuse SiLU)")
@@ -249,8 +259,10 @@ def _flags_from_layer_types(v: Any, n_layers: int, n_mtp: int) -> list[int]:
         raise ValueError(f"config key {key!r} must be a list of num_hidden_layers={n_layers} strings, got {v!r}")
     out = []
     for x in v:
-        if x not in (SLIDING, FULL):
-            raise ValueError(f"config key {key!r} has unknown entry {x!r} (expected {SLIDING!r} or {FULL!r})")
+        if x not in (SLIDING, FULL, INDEXED):
+            raise ValueError(
+                f"config key {key!r} has unknown entry {x!r} (expected {SLIDING!r}, {FULL!r} or {INDEXED!r})"
+            )
         out.append(1 if x == SLIDING else 0)
     return out
 
@@ -292,6 +304,38 @@ def _resolve_swa(cfg: ModelConfig, raw: dict[str, Any]) -> None:
     cfg.window_attn_skip_freq = flags
     if cfg.swa_rope_theta is not None and not cfg.swa_rope_theta > 0:
         raise ValueError(f"config key 'swa_rope_theta' must be positive, got {cfg.swa_rope_theta!r}")
+
+
+def _resolve_indexed(cfg: ModelConfig, raw: dict[str, Any]) -> None:
+    """The DSA layers: ``layer_types`` entries "indexed_attention"; with ``model_type``
+    deepseek_v32, every layer ``layer_types`` does not list (all of them without it, its MTP layer
+    included, as DeepSeek-V3.2 ships). An SWA layer is never indexed (the flags' sources agree
+    on SWA layers, checked by _resolve_swa)."""
+    n = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    kinds = list(raw.get("layer_types") or [])
+    v32 = raw.get("model_type") == "deepseek_v32"
+    flags = [int(k == INDEXED) for k in kinds] + [int(v32)] * (n - len(kinds))
+    for i in range(n):
+        if flags[i] and cfg.window_attn_skip_freq[i]:
+            raise ValueError(f"config: layer {i} is both an SWA layer and an indexed (DSA) layer")
+    cfg.index_flags = flags
+    if not any(flags):
+        return
+    for key in ("index_topk", "index_n_heads", "index_head_dim"):
+        v = getattr(cfg, key)
+        if not _is_int(v) or v <= 0:
+            raise ValueError(f"config key {key!r} must be a positive int, got {v!r}")
+    if cfg.index_head_dim < cfg.qk_rope_head_dim:
+        raise ValueError(
+            f"config key 'index_head_dim'={cfg.index_head_dim} is below qk_rope_head_dim={cfg.qk_rope_head_dim} "
+            "(the indexer rotates its first qk_rope_head_dim dims)"
+        )
+    if not isinstance(cfg.indexer_rope_interleave, bool):
+        raise ValueError(
+            f"config key 'indexer_rope_interleave' must be true or false, got {cfg.indexer_rope_interleave!r}"
+        )
+    if not cfg.q_lora_rank:
+        raise ValueError("config key 'q_lora_rank' is null: the indexed (DSA) layers' indexer reads the q latent")
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")

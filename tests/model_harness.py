@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import paddle
 
 from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
-
-NAN_U8 = 0xFF  # every byte 0xFF: NaN fp8 codes, NaN float32 scales, NaN bf16 rope
 
 
 class Harness:
@@ -47,8 +44,7 @@ class Harness:
             backends += [b for b in self.mtp.attention_backends() if b.kind not in {x.kind for x in backends}]
         self.caches = []
         for spec in layer_kv_specs(self.cfg, cache_config):
-            fill = NAN_U8 if spec.dtype == "uint8" else float("nan")
-            self.caches.append(paddle.full(spec.shape(num_blocks, block_size), fill, dtype=spec.dtype))
+            self.caches.append(spec.allocate(num_blocks, block_size, poison=True))
         self.builder = ForwardMetaBuilder(block_size, backends, self.kernels)
         self.block_size = block_size
         groups = list(self.cfg.kv_cache_groups)

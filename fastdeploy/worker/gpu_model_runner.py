@@ -18,6 +18,7 @@ from fastdeploy.config import FDConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.input.grammar import token_bitmask
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
+from fastdeploy.model_executor.layers.attention.base_backend import IndexedCache
 from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
 from fastdeploy.model_executor.layers.linear import captured_gemms
 from fastdeploy.model_executor.layers.sampler import SampleResult
@@ -102,13 +103,13 @@ class GPUModelRunner:
         graphs.capture()
         return graphs
 
-    def allocate_caches(self, num_blocks: dict[str, int]) -> list[paddle.Tensor]:
-        """One cache a layer, of its group's pool size plus the null block (the last, id
-        ``num_blocks[g]``: padding rows of a bucketed decode step write and read only it; no pool
-        ever hands it out), in its backend's layout."""
+    def allocate_caches(self, num_blocks: dict[str, int]) -> list[paddle.Tensor | IndexedCache]:
+        """One cache a layer (a DSA layer's: its latent and its indexer keys), of its group's pool
+        size plus the null block (the last, id ``num_blocks[g]``: padding rows of a bucketed decode
+        step write and read only it; no pool ever hands it out), in its backend's layout."""
         bs = self.block_size
         self.null_block = dict(num_blocks)
-        caches = [paddle.zeros(s.shape(num_blocks[s.group] + 1, bs), dtype=s.dtype) for s in self.kv_specs]
+        caches = [s.allocate(num_blocks[s.group] + 1, bs) for s in self.kv_specs]
         per_block = group_bytes_per_block(self.kv_specs, bs)
         for g, layers in self.fd.model_config.kv_cache_groups.items():
             logger.info(

@@ -5,8 +5,10 @@ its new latent and W_UK / W_UV to one backend, chosen once at construction, whic
 cache and attends in MHA or absorbed form per its kind's step plan: a layer is SWA when
 ``config.is_swa_layer(layer_id)`` (``window_attn_skip_freq[layer_id] == 1``), takes the
 ``forward_swa_static`` branch and has a DSAAttentionBackend (FP8 record cache, the window slots
-from the kernel under ``get_swa_indexer_top_k``, sparse MLA); full layers have an MLAAttentionBackend (latent cache
-in the model dtype, bf16 or FP8 records). The seed PR's names are this path:
+from the kernel under ``get_swa_indexer_top_k``, sparse MLA); a DSA layer
+(``config.is_indexed_layer``, DeepSeek-V3.2) has a DSAAttentionBackend too, over the top
+``index_topk`` keys its own lightning indexer picks; full layers have an MLAAttentionBackend
+(latent cache in the model dtype, bf16 or FP8 records). The seed PR's names are this path:
 ``get_swa_indexer_top_k`` (exported here), ``DeepseekV3MLAAttention.forward_swa_static`` and
 ``DSAAttentionBackend.forward_static``.
 """
@@ -22,10 +24,11 @@ from paddle import nn
 from fastdeploy.config import CacheConfig, FDConfig, KernelConfig, ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.forward_meta import ForwardMeta
-from fastdeploy.model_executor.layers.attention.base_backend import KVSpec, MLABackendBase
+from fastdeploy.model_executor.layers.attention.base_backend import IndexedCache, KVSpec, MLABackendBase
 from fastdeploy.model_executor.layers.attention.dsa_attention_backend import DSAAttentionBackend
 from fastdeploy.model_executor.layers.attention.mla_attention_backend import MLAAttentionBackend
 from fastdeploy.model_executor.layers.embeddings import ParallelLMHead, VocabParallelEmbedding
+from fastdeploy.model_executor.layers.lightning_indexer import LightningIndexer
 from fastdeploy.model_executor.layers.linear import (
     ColumnParallelLinear,
     FP8Linear,
@@ -71,17 +74,21 @@ def fp8_linears(cfg: ModelConfig, kernels: KernelConfig) -> FP8Linear | None:
 def attention_backend(
     cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, num_heads: int, kv_cache_dtype: str
 ) -> MLABackendBase:
-    """The backend layer ``layer_id`` attends with: DSAAttentionBackend for an SWA layer, else
-    MLAAttentionBackend; ``num_heads`` this rank's heads."""
+    """The backend layer ``layer_id`` attends with: DSAAttentionBackend for an SWA or a DSA layer,
+    else MLAAttentionBackend; ``num_heads`` this rank's heads."""
     scale = deepseek_softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
     if cfg.is_swa_layer(layer_id):
         return DSAAttentionBackend(scale, cfg.sliding_window, kernels, num_heads, dtype)
+    if cfg.is_indexed_layer(layer_id):
+        return DSAAttentionBackend(scale, 0, kernels, num_heads, dtype, cfg.index_topk, kv_cache_dtype)
     return MLAAttentionBackend(scale, kernels, num_heads, dtype, kv_cache_dtype)
 
 
 def kv_spec_for(model_config: ModelConfig, cache_config: CacheConfig, layer_id: int) -> KVSpec:
     """What layer ``layer_id`` stores, as its backend's kind declares it (a pure function: no
     backend is built): the runner allocates it, ``tools/plan`` counts it, tests poison it."""
+    if model_config.is_indexed_layer(layer_id):
+        return DSAAttentionBackend.kv_spec(cache_config, model_config.dtype, model_config.index_head_dim)
     kind = DSAAttentionBackend if model_config.is_swa_layer(layer_id) else MLAAttentionBackend
     return kind.kv_spec(cache_config, model_config.dtype)
 
@@ -128,6 +135,7 @@ class DeepseekV3MLAAttention(nn.Layer):
             self.rope, theta, cfg.rope_scaling, cfg.max_position_embeddings, kernels.triton
         )
         self.attn_backend = attention_backend(cfg, layer_id, dtype, kernels, self.num_heads, kv_cache_dtype)
+        self.indexer = LightningIndexer(cfg, dtype, fp8, self.rotary_emb) if cfg.is_indexed_layer(layer_id) else None
 
     def process_weights_after_loading(self) -> None:
         """Split kv_b_proj into W_UK [H, nope, 512] and W_UV [H, v, 512], float32, once: the loader
@@ -136,13 +144,14 @@ class DeepseekV3MLAAttention(nn.Layer):
         w = self.kv_b_proj.dequantized_weight().reshape([self.num_heads, self.nope + self.v_dim, self.kv_lora_rank])
         self.w_uk, self.w_uv = w[:, : self.nope].clone(), w[:, self.nope :].clone()  # contiguous copies
 
-    def forward(self, hidden: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> paddle.Tensor:
-        """hidden [T, hidden] -> [T, hidden]."""
+    def forward(self, hidden: paddle.Tensor, cache: paddle.Tensor | IndexedCache, meta: ForwardMeta) -> paddle.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; ``cache`` the layer's (a DSA layer's: an IndexedCache)."""
         T = hidden.shape[0]
         if hasattr(self, "q_proj"):
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_latent)
         q = q.reshape([T, self.num_heads, self.nope + self.rope])
         kv_a = self.kv_a_proj_with_mqa(hidden)
         kv_c = self.kv_a_layernorm(kv_a[:, : self.kv_lora_rank])
@@ -152,6 +161,11 @@ class DeepseekV3MLAAttention(nn.Layer):
         q_nope = q[:, :, : self.nope]
         if self.is_swa:
             out = self.forward_swa_static(q_nope, q_pe, kv_c, k_pe, cache, meta)
+        elif self.indexer is not None:
+            index_q, index_k, index_w = self.indexer(hidden, q_latent, meta.positions)
+            out = self.attn_backend.forward_indexed(
+                q_nope, q_pe, kv_c, k_pe, cache, meta, self.w_uk, self.w_uv, index_q, index_k, index_w
+            )
         else:
             out = self.attn_backend.forward(q_nope, q_pe, kv_c, k_pe, cache, meta, self.w_uk, self.w_uv)
         return self.o_proj(out.reshape([T, self.num_heads * self.v_dim]).astype(hidden.dtype))

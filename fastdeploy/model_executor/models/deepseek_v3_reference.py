@@ -180,12 +180,22 @@ def is_indexed(cfg: dict, layer: int) -> bool:
     return layer < len(kinds) and kinds[layer] == "indexed_attention"
 
 
-def indexer_pick(x, q_lat, w, a, cfg, ang, mult):
+def pow2_e4m3(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek's act_quant with power-of-two scales, per last-axis vector: scale =
+    2^ceil(log2(max(amax, 1e-4) / 448)), values e4m3(x / scale) -> (values, scale)."""
+    amax = np.maximum(np.abs(x).max(-1), 1e-4)
+    scale = 2.0 ** np.ceil(np.log2(amax / 448))
+    return e4m3_round(x / scale[..., None]), scale
+
+
+def indexer_pick(x, q_lat, w, a, cfg, ang, mult, fp8=False):
     """DeepSeek-V3.2's lightning indexer over one sequence, unquantized (as Hugging Face's
     DeepseekV32Indexer): q = wq_b(q_lat) [T, H, D], k = LayerNorm(wk(x)) [T, D], RoPE (NeoX halves
     unless ``indexer_rope_interleave``) on their first qk_rope_head_dim dims, score[t, s] =
     sum_h w[t, h] relu(q[t, h] . k[s]) with w = weights_proj(x) H^-0.5 D^-0.5 over s <= t; each
-    query keeps its top min(index_topk, t + 1) keys (ties to the lower id). -> bool [T, T] kept."""
+    query keeps its top min(index_topk, t + 1) keys (ties to the lower id). ``fp8``: q and k
+    quantized first (``pow2_e4m3`` per head / per key), w times q's scale, each score times its
+    key's scale, as the engine's FP8 indexer cache computes them. -> bool [T, T] kept."""
     T = x.shape[0]
     H, D, R = cfg["index_n_heads"], cfg["index_head_dim"], cfg["qk_rope_head_dim"]
     p = a + "indexer."
@@ -197,7 +207,11 @@ def indexer_pick(x, q_lat, w, a, cfg, ang, mult):
     q = np.concatenate([rotate_pairs(q[..., :R], ang, mult, inter), q[..., R:]], -1)
     k = np.concatenate([rotate_pairs(k[:, :R], ang, mult, inter), k[:, R:]], -1)
     wt = (x @ w[p + "weights_proj.weight"].T) * H**-0.5 * D**-0.5
-    score = np.einsum("th,ths->ts", wt, np.maximum(np.einsum("thd,sd->ths", q, k), 0))
+    k_scale = np.ones(T)
+    if fp8:
+        (q, q_scale), (k, k_scale) = pow2_e4m3(q), pow2_e4m3(k)
+        wt = wt * q_scale
+    score = np.einsum("th,ths->ts", wt, np.maximum(np.einsum("thd,sd->ths", q, k), 0)) * k_scale
     keep = np.zeros((T, T), bool)
     for t in range(T):
         order = sorted(range(t + 1), key=lambda s: (-score[t, s], s))
@@ -219,11 +233,13 @@ def decoder_layer(
     window: int | None = None,
     kv_format: str | None = None,
     act_fp8: bool = False,
+    index_fp8: bool = False,
 ) -> np.ndarray:
     """One decoder layer (``model.layers.{layer}.*``) over a whole sequence x float64 [T, hidden]
     at positions 0..T-1: MLA attention (window W, the keys DeepSeek-V3.2's indexer picks for an
     indexed layer, or full; ``kv_format`` "fp8" / "bf16" rounds the cached kv_c / k_pe as the cache
-    stores them), then its dense MLP or MoE."""
+    stores them; ``index_fp8``: the indexer's q and k quantized as an FP8 indexer cache keeps
+    them), then its dense MLP or MoE."""
     T = x.shape[0]
     H, nope, rope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     eps = cfg["rms_norm_eps"]
@@ -258,7 +274,7 @@ def decoder_layer(
     s = np.einsum("thd,shd->hts", qq, k) * scale
     mask = (j <= i) & ((j > i - window) if window else True)
     if is_indexed(cfg, layer):
-        mask &= indexer_pick(h, q_lat, w, a, cfg, ang, mult)
+        mask &= indexer_pick(h, q_lat, w, a, cfg, ang, mult, index_fp8)
     s = np.where(mask[None], s, -np.inf)
     pr = np.exp(s - s.max(-1, keepdims=True))
     pr /= pr.sum(-1, keepdims=True)
@@ -279,18 +295,20 @@ def forward(
     kv_formats: list[str | None] | None = None,
     act_fp8: bool = False,
     hidden: bool = False,
+    index_fp8: bool = False,
 ) -> np.ndarray:
     """Logits float64 [T, vocab] for one sequence (``hidden``: the final-normed hidden states
     [T, hidden_size] instead); windows[l] = W of layer l (None: full).
     ``fp8_kv``: windowed layers see their kv_c / k_pe as the FP8 record stores them.
     ``kv_formats[l]`` ("fp8", "bf16" or None) says how layer l's cache stores them, for any layer.
     ``act_fp8``: the inputs of the projections a model with FP8 weights runs as W8A8 GEMMs are
-    quantized first (all but kv_b_proj, whose W_UK / W_UV the attention applies in float)."""
+    quantized first (all but kv_b_proj, whose W_UK / W_UV the attention applies in float).
+    ``index_fp8``: indexed layers pick their keys from FP8 index scores (``indexer_pick``)."""
     x = w["model.embed_tokens.weight"][ids]
     for layer in range(cfg["num_hidden_layers"]):
         W = windows[layer] if windows else None
         fmt = kv_formats[layer] if kv_formats else ("fp8" if fp8_kv and W else None)
-        x = decoder_layer(x, w, cfg, layer, W, fmt, act_fp8)
+        x = decoder_layer(x, w, cfg, layer, W, fmt, act_fp8, index_fp8)
     x = rms(x, w["model.norm.weight"], cfg["rms_norm_eps"])
     return x if hidden else x @ w["lm_head.weight"].T
 

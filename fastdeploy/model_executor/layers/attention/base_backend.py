@@ -18,7 +18,8 @@ Both forms give the per-head value output [n, H, v_head_dim], which goes into o_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import paddle
 
@@ -39,15 +40,26 @@ LATENT_WIDTH = 576  # kv_c (512) then k_pe (64): a latent cache entry in the mod
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+class IndexedCache(NamedTuple):
+    """A DSA layer's two cache tensors: ``kv`` its latent (FP8 records or 576 values) and
+    ``index`` its indexer keys (``ops/triton_ops/lightning_indexer.py``)."""
+
+    kv: paddle.Tensor
+    index: paddle.Tensor
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """One layer's KV cache layout: its KV cache ``group`` (block pool), element ``dtype``,
-    ``bytes_per_token`` and ``last_dim``; the tensor is [num_blocks, block_size, 1, last_dim]."""
+    ``bytes_per_token`` (all of the layer's tensors) and ``last_dim``; the tensor is [num_blocks,
+    block_size, 1, last_dim]. ``index``: a DSA layer's second tensor, its indexer keys, in the
+    same group and blocks (None for other layers)."""
 
     group: str
     dtype: str
     bytes_per_token: int
     last_dim: int
+    index: KVSpec | None = None
 
     @classmethod
     def records(cls, group: str) -> KVSpec:
@@ -59,8 +71,24 @@ class KVSpec:
         """576 latent values in ``dtype``."""
         return cls(group, dtype, LATENT_WIDTH * _ITEMSIZE[dtype], LATENT_WIDTH)
 
+    def with_index(self, head_dim: int, fp8: bool) -> KVSpec:
+        """This layout plus a DSA layer's indexer keys of width ``head_dim``: e4m3 codes and a
+        float32 scale (head_dim + 4 bytes), or head_dim values in this layout's dtype."""
+        d = head_dim + 4 if fp8 else head_dim
+        index = (
+            KVSpec(self.group, "uint8", d, d) if fp8 else KVSpec(self.group, self.dtype, d * _ITEMSIZE[self.dtype], d)
+        )
+        return replace(self, bytes_per_token=self.bytes_per_token + index.bytes_per_token, index=index)
+
     def shape(self, num_blocks: int, block_size: int) -> list[int]:
         return [num_blocks, block_size, 1, self.last_dim]
+
+    def allocate(self, num_blocks: int, block_size: int, poison: bool = False) -> paddle.Tensor | IndexedCache:
+        """The layer's cache: zeros, or with ``poison`` NaN everywhere (every byte 0xFF in a uint8
+        tensor: NaN codes, scales and rope); an IndexedCache when the layer has indexer keys."""
+        fill = (0xFF if self.dtype == "uint8" else float("nan")) if poison else 0
+        kv = paddle.full(self.shape(num_blocks, block_size), fill, dtype=self.dtype)
+        return kv if self.index is None else IndexedCache(kv, self.index.allocate(num_blocks, block_size, poison))
 
 
 def record_writer(kernels: KernelConfig):
@@ -103,13 +131,33 @@ class MLABackendBase:
         raise NotImplementedError
 
     def absorbed(
-        self, q: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta, plan: StepPlan, group: TokenGroup
+        self,
+        q: paddle.Tensor,
+        cache: paddle.Tensor,
+        meta: ForwardMeta,
+        plan: StepPlan,
+        group: TokenGroup,
+        selection: paddle.Tensor | None,
     ) -> paddle.Tensor:
         """q [n, H, 576] (absorbed, in ``absorbed_dtype``) of the group's tokens -> latent float32
-        [n, H, 512]."""
+        [n, H, 512]; ``selection``: a DSA layer's picked slots of every token of the step."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ shared
+    def write_latent(
+        self, kv_c: paddle.Tensor, k_pe: paddle.Tensor, slots: paddle.Tensor, cache: paddle.Tensor
+    ) -> None:
+        """Store each token's [kv_c | k_pe] at its slot int32 [T], in the cache's format: FP8
+        records (slot -1 skips), or latent rows, every row written (a static shape, as a captured
+        step needs) with slot -1 rows in the cache's last slot, the null block's (no pool hands it
+        out)."""
+        if cache.dtype == paddle.uint8:
+            self.write_records(kv_c, k_pe, slots, cache)
+            return
+        flat = cache.reshape([-1, cache.shape[-1]])
+        slots = paddle.where(slots >= 0, slots, paddle.full_like(slots, flat.shape[0] - 1)).astype("int64")
+        flat[slots] = paddle.concat([kv_c, k_pe], axis=-1).astype(cache.dtype)
+
     def read_cache(self, cache: paddle.Tensor, slots: paddle.Tensor) -> paddle.Tensor:
         """float32 [n, 576] entries at slots int64 [n], FP8 records de-quantized."""
         flat = cache.reshape([-1, cache.shape[-1]])[slots]
@@ -131,9 +179,11 @@ class MLABackendBase:
         meta: ForwardMeta,
         w_uk: paddle.Tensor,
         w_uv: paddle.Tensor,
+        selection: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """q_nope [T, H, nope], q_pe [T, H, 64] (rotated), kv_c [T, 512], k_pe [T, 64] in the
-        model dtype; w_uk float32 [H, nope, 512], w_uv [H, v, 512] -> float32 [T, H, v]."""
+        model dtype; w_uk float32 [H, nope, 512], w_uv [H, v, 512] -> float32 [T, H, v].
+        ``selection`` int32 [T, topk]: the slots a DSA layer's indexer picked for each token."""
         self.write_cache(kv_c, k_pe, cache, meta)
         plan = meta.attn[self.kind]
         dtype = self.absorbed_dtype(kv_c.dtype)
@@ -145,7 +195,9 @@ class MLABackendBase:
                 o = self.mha(qn, qp, cache, group, w_uk, w_uv)
             else:
                 q = paddle.concat([paddle.einsum("thn,hnc->thc", qn.astype("float32"), w_uk), qp.astype("float32")], -1)
-                o = paddle.einsum("thc,hvc->thv", self.absorbed(q.astype(dtype), cache, meta, plan, group), w_uv)
+                o = paddle.einsum(
+                    "thc,hvc->thv", self.absorbed(q.astype(dtype), cache, meta, plan, group, selection), w_uv
+                )
             if t is None:
                 return o
             out = paddle.zeros([q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]], "float32") if out is None else out

@@ -1,15 +1,22 @@
-"""DSAAttentionBackend: the whole attention of an SWA layer (the seed PR's name).
+"""DSAAttentionBackend: the whole attention of a sparse-MLA layer (the seed PR's name), whose keys
+come from one of two index sets (docs/design.md §4.3-4.5, §4.17):
 
-"SWA", "DSA" and "sparse MLA" name one path here: an SWA layer attends over its window through
-the window indexer's slot ids and FlashMLA's sparse MLA contract over the 656-byte FP8 cache
-(docs/design.md §4.3-4.5).
-- ``kv_spec``: group "swa", uint8, 656 bytes a token, whatever the model dtype.
+- an SWA layer (``sliding_window`` W): the window, the same slots for every SWA layer of a step
+  (the kernel under ``get_swa_indexer_top_k``), over the 656-byte FP8 records of the "swa" group;
+- a DSA layer (``index_topk`` K, DeepSeek-V3.2): the top K keys its own lightning indexer picks
+  for each query, a layer's own slots, over the "full" group (DSA layers keep every token); its
+  cache is an ``IndexedCache``: the latent in the full layers' format (``kv_cache_dtype``: FP8
+  records with fp8) plus the indexer keys (e4m3 and a scale, 132 bytes a token at D 128, with
+  fp8; else unquantized in the latent's dtype, the reference path held against Hugging Face).
+
+- ``kv_spec``: the kind's cache layout.
 - ``plan_step``: the token groups (prefill requests the cost model puts in MHA form, the rest
-  absorbed) and, when any token attends absorbed, every token's window slots (the kernel under
-  ``get_swa_indexer_top_k``, on the step's device positions) padded once to the provider's
-  multiple; FlashMLA's sparse decode schedule for the step.
+  absorbed; a DSA request goes the MHA form only while its context is no longer than K, where
+  the pick keeps every key: the paper's masked MHA mode) and, when any token attends absorbed,
+  the SWA kind's window slots padded once to the provider's multiple, or the DSA kind's
+  ``index_rows`` (where each query's indexer keys lie); FlashMLA's sparse decode schedule.
 - ``forward`` (MLABackendBase) writes the step's records and runs each group; absorbed groups go
-  through ``forward_static``, the PR's entry point, which runs the provider on the window's slots.
+  through ``forward_static``, the PR's entry point, which runs the provider on the slots.
   FlashMLA gets decodes (FP8 cache kernel) apart from prefills (bf16 gather kernel); the Triton
   kernel and the reference take both in one call, since all causality lives in the indices.
 """
@@ -19,25 +26,59 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from fastdeploy.config import SWA_GROUP, CacheConfig, KernelConfig
+from fastdeploy.config import FULL_GROUP, SWA_GROUP, CacheConfig, KernelConfig
 from fastdeploy.model_executor.forward_meta import ForwardMeta
-from fastdeploy.model_executor.layers.attention.base_backend import KVSpec, MLABackendBase, record_writer
+from fastdeploy.model_executor.layers.attention.base_backend import (
+    IndexedCache,
+    KVSpec,
+    MLABackendBase,
+    record_writer,
+)
 from fastdeploy.model_executor.layers.attention.sparse_mla_providers import provider_for, sparse_mla_attention
 from fastdeploy.model_executor.layers.attention.step_plan import (
     StepPlan,
     TokenGroup,
+    index_rows,
     plan_groups,
     round_up,
     window_indices,
 )
+from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import (
+    index_scores,
+    index_topk,
+    quantize_pow2_e4m3,
+    read_index_keys_ref,
+    write_index_keys_ref,
+)
 
 
 class DSAAttentionBackend(MLABackendBase):
+    """``sliding_window`` W > 0 (an SWA layer) or ``index_topk`` K > 0 (a DSA layer), not both;
+    ``kv_cache_dtype``: the full layers' cache setting, which a DSA layer's cache follows."""
+
     def __init__(
-        self, softmax_scale: float, sliding_window: int, kernels: KernelConfig, num_heads: int, model_dtype: str
+        self,
+        softmax_scale: float,
+        sliding_window: int,
+        kernels: KernelConfig,
+        num_heads: int,
+        model_dtype: str,
+        index_topk: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         super().__init__(softmax_scale, kernels, num_heads, model_dtype)
-        self.sliding_window = sliding_window
+        if (sliding_window > 0) == (index_topk > 0):
+            raise ValueError(
+                f"DSAAttentionBackend: give a sliding_window or an index_topk, got {sliding_window}, {index_topk}"
+            )
+        self.sliding_window, self.index_topk = sliding_window, index_topk
+        self.group = SWA_GROUP if sliding_window else FULL_GROUP
+        self.fp8_index = kv_cache_dtype == "fp8"
+        if index_topk and self.provider.split_decode and not self.fp8_index:
+            raise ValueError(
+                "DSA (indexed) layers on FlashMLA need --kv-cache-dtype fp8: its sparse decode reads only the "
+                f"656-byte FP8 cache (got kv_cache_dtype {kv_cache_dtype!r})"
+            )
 
     @property
     def window(self) -> int:
@@ -45,32 +86,105 @@ class DSAAttentionBackend(MLABackendBase):
 
     @property
     def kind(self) -> str:
-        return f"swa:{self.sliding_window}"
+        return f"swa:{self.sliding_window}" if self.sliding_window else f"dsa:{self.index_topk}"
 
     @staticmethod
-    def kv_spec(cache_config: CacheConfig, model_dtype: str) -> KVSpec:
-        return KVSpec.records(SWA_GROUP)
+    def kv_spec(cache_config: CacheConfig, model_dtype: str, index_head_dim: int = 0) -> KVSpec:
+        """An SWA layer (``index_head_dim`` 0): the FP8 records of the swa group. A DSA layer: the
+        full layers' latent format in the full group plus its indexer keys (``KVSpec.with_index``),
+        FP8 with ``kv_cache_dtype`` fp8."""
+        if not index_head_dim:
+            return KVSpec.records(SWA_GROUP)
+        kv = cache_config.kv_cache_dtype
+        main = (
+            KVSpec.records(FULL_GROUP)
+            if kv == "fp8"
+            else KVSpec.latent(FULL_GROUP, "bfloat16" if kv == "bf16" else model_dtype)
+        )
+        return main.with_index(index_head_dim, fp8=kv == "fp8")
 
     def plan_step(self, meta: ForwardMeta) -> StepPlan:
         provider = self.provider
+        mha_max_end = self.index_topk or None
         groups = plan_groups(
-            meta, self.sliding_window, SWA_GROUP, provider, self.kernels.mla_prefill_form, self.num_heads
+            meta,
+            self.sliding_window,
+            self.group,
+            provider,
+            self.kernels.mla_prefill_form,
+            self.num_heads,
+            mha_max_end,
         )
         plan = StepPlan(groups, provider)
         if any(g.form != "mha" for g in groups):
-            topk = round_up(self.sliding_window, provider.step_topk_multiple)
-            plan.indices = window_indices(meta, SWA_GROUP, None, self.sliding_window, topk, self.kernels.triton)
+            if self.index_topk:
+                plan.index_rows = index_rows(meta, FULL_GROUP)
+            else:
+                topk = round_up(self.sliding_window, provider.step_topk_multiple)
+                plan.indices = window_indices(meta, SWA_GROUP, None, self.sliding_window, topk, self.kernels.triton)
         if any(g.form == "decode" for g in groups):
             plan.schedule = provider.decode_schedule()
         return plan
 
     def write_cache(self, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> None:
-        self.write_records(kv_c, k_pe, meta.slot_mapping[SWA_GROUP], cache)
+        self.write_latent(kv_c, k_pe, meta.slot_mapping[self.group], cache)
+
+    def forward_indexed(
+        self,
+        q_nope: paddle.Tensor,
+        q_pe: paddle.Tensor,
+        kv_c: paddle.Tensor,
+        k_pe: paddle.Tensor,
+        cache: IndexedCache,
+        meta: ForwardMeta,
+        w_uk: paddle.Tensor,
+        w_uv: paddle.Tensor,
+        index_q: paddle.Tensor,
+        index_k: paddle.Tensor,
+        index_w: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """A DSA layer: store its indexer keys index_k [T, D], pick each token's top K slots from
+        index_q [T, Hi, D] and the head weights index_w [T, Hi] (rope applied, float32), then attend
+        as ``forward`` does over those slots."""
+        write_index_keys_ref(index_k, meta.slot_mapping[FULL_GROUP], cache.index)
+        plan = meta.attn[self.kind]
+        selection = None
+        if plan.index_rows is not None:
+            selection = self.select(index_q, index_w, cache.index, plan)
+        return self.forward(q_nope, q_pe, kv_c, k_pe, cache.kv, meta, w_uk, w_uv, selection)
+
+    def select(self, q: paddle.Tensor, w: paddle.Tensor, index_cache: paddle.Tensor, plan: StepPlan) -> paddle.Tensor:
+        """int32 [T, K'] (K rounded up to the provider's multiple): each token's top K slots by
+        its index score (ties to the lower position), then -1. With an FP8 indexer cache q is
+        quantized per head as the keys are, its scale folded into w."""
+        if self.fp8_index:
+            q, q_scale = quantize_pow2_e4m3(q)
+            w = w * q_scale
+        width = round_up(self.index_topk, plan.provider.step_topk_multiple)
+        out = []
+        for rows in plan.index_rows:
+            t = slice(None) if rows.tokens is None else slice(*rows.tokens)
+            keys, k_scale = read_index_keys_ref(index_cache, rows.key_slots)
+            picked = index_topk(index_scores(q[t], w[t], keys, rows.ends, k_scale), rows.ends, self.index_topk)
+            at = picked.astype("int64").clip(min=0)
+            slots = paddle.take_along_axis(rows.key_slots, at, 1) if rows.key_slots.ndim == 2 else rows.key_slots[at]
+            out.append(paddle.where(picked >= 0, slots.astype("int32"), picked))
+        sel = out[0] if len(out) == 1 else paddle.concat(out)
+        if width > self.index_topk:
+            sel = paddle.concat([sel, paddle.full([sel.shape[0], width - self.index_topk], -1, "int32")], 1)
+        return sel
 
     def absorbed(
-        self, q: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta, plan: StepPlan, group: TokenGroup
+        self,
+        q: paddle.Tensor,
+        cache: paddle.Tensor,
+        meta: ForwardMeta,
+        plan: StepPlan,
+        group: TokenGroup,
+        selection: paddle.Tensor | None,
     ) -> paddle.Tensor:
-        idx = plan.indices if group.tokens is None else plan.indices[group.tokens]
+        slots = plan.indices if selection is None else selection
+        idx = slots if group.tokens is None else slots[group.tokens]
         out = self.forward_static(
             q=q,
             indexer_topk=idx,
@@ -97,9 +211,11 @@ class DSAAttentionBackend(MLABackendBase):
         is_prefill: bool | None = None,
         schedule: object | None = None,
     ) -> paddle.Tensor:
-        """The seed PR's sparse MLA entry: q [T, H, 576] (absorbed), indexer_topk int32 [T, 1, K]
-        or [T, K] (-1 = none), latent_cache uint8 [num_blocks, block_size, 1, 656] -> latent
-        [T, H * 512] in q's dtype, through ``forward_meta.kernels``' sparse MLA provider.
+        """The seed PR's sparse MLA entry, for SWA and DSA layers alike: q [T, H, 576] (absorbed),
+        indexer_topk int32 [T, 1, K] or [T, K] (-1 = none: the window's slots or the lightning
+        indexer's pick), latent_cache uint8 [num_blocks, block_size, 1, 656] (or, for a DSA
+        layer off FlashMLA, its [..., 576] latent) -> latent [T, H * 512] in q's dtype, through
+        ``forward_meta.kernels``' sparse MLA provider.
 
         With ``compressed_kv`` [T, 512] and ``k_pe`` [T, 64] it first writes their records at the
         step's SWA slots (the backend's forward has written them already and passes None).

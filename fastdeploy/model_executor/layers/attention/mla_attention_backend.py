@@ -69,19 +69,16 @@ class MLAAttentionBackend(MLABackendBase):
         return plan
 
     def write_cache(self, kv_c: paddle.Tensor, k_pe: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta) -> None:
-        """Store each token's [kv_c | k_pe] at its slot, in the cache's format: FP8 records
-        (slot -1 skips), or latent rows, every row written (a static shape, as a captured step
-        needs) with slot -1 rows in the cache's last slot, the null block's (no pool hands it out)."""
-        slots = meta.slot_mapping[FULL_GROUP]
-        if cache.dtype == paddle.uint8:
-            self.write_records(kv_c, k_pe, slots, cache)
-            return
-        flat = cache.reshape([-1, cache.shape[-1]])
-        slots = paddle.where(slots >= 0, slots, paddle.full_like(slots, flat.shape[0] - 1)).astype("int64")
-        flat[slots] = paddle.concat([kv_c, k_pe], axis=-1).astype(cache.dtype)
+        self.write_latent(kv_c, k_pe, meta.slot_mapping[FULL_GROUP], cache)
 
     def absorbed(
-        self, q: paddle.Tensor, cache: paddle.Tensor, meta: ForwardMeta, plan: StepPlan, group: TokenGroup
+        self,
+        q: paddle.Tensor,
+        cache: paddle.Tensor,
+        meta: ForwardMeta,
+        plan: StepPlan,
+        group: TokenGroup,
+        selection: paddle.Tensor | None,
     ) -> paddle.Tensor:
         out, _ = sparse_mla_attention(
             q,

@@ -58,12 +58,14 @@ class StepPlan:
     """One attention kind's step: its token groups, the sparse MLA ``provider`` they were made
     for, an SWA kind's window ``indices`` int32 [T, topk] (topk = W rounded up to the provider's
     multiple; None when no token attends absorbed, and for full layers), and the provider's decode
-    ``schedule`` for the kind (None unless it has one and the step decodes)."""
+    ``schedule`` for the kind (None unless it has one and the step decodes). A DSA kind's
+    ``index_rows``: where its queries find their indexer keys (None when none attends absorbed)."""
 
     groups: list[TokenGroup]
     provider: SparseMLAProvider
     indices: paddle.Tensor | None = None
     schedule: object | None = None
+    index_rows: list[IndexRows] | None = None
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -71,12 +73,19 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def plan_groups(
-    meta: ForwardMeta, window: int, group: str, provider: SparseMLAProvider, form: str, num_heads: int
+    meta: ForwardMeta,
+    window: int,
+    group: str,
+    provider: SparseMLAProvider,
+    form: str,
+    num_heads: int,
+    mha_max_end: int | None = None,
 ) -> list[TokenGroup]:
     """The calls of a kind with window W (0: full layers) reading KV cache group ``group``: prefill
     requests in MHA form together (with their keys in view; ``form`` the mla_prefill_form
     setting, priced at the provider's rates), the rest absorbed, decodes apart from prefills for
-    a provider that splits them."""
+    a provider that splits them. ``mha_max_end``: only a request whose context ends there or
+    before may go the MHA form (a DSA layer's index_topk: beyond it the indexer's pick decides)."""
     split_decode = provider.split_decode
     kinds = {"mha": [], "decode": [], "prefill": []} if split_decode else {"mha": [], "absorbed": []}
     for b in range(len(meta.seq_lens_encoder)):
@@ -84,11 +93,9 @@ def plan_groups(
             kind = "decode"
         else:
             chunk, start = int(meta.seq_lens_this_time[b]), int(meta.seq_lens_decoder[b])
-            kind = (
-                "mha"
-                if choose_prefill_form(form, chunk, start, window, num_heads, provider.prefill_rates) == "mha"
-                else "prefill"
-            )
+            whole = mha_max_end is None or start + chunk <= mha_max_end
+            mha = whole and choose_prefill_form(form, chunk, start, window, num_heads, provider.prefill_rates) == "mha"
+            kind = "mha" if mha else "prefill"
         kinds[kind if kind == "mha" or split_decode else "absorbed"].append(b)
     cu, groups = meta.cu_seqlens_q, []
     for kind, reqs in kinds.items():
@@ -120,6 +127,38 @@ def mha_keys(meta: ForwardMeta, window: int, reqs: np.ndarray, host_table: np.nd
         np.concatenate([[0], np.cumsum(n)]), np.concatenate([[0], np.cumsum(end - k_start)]), q_start, k_start
     )
     return MHAKeys(slots=paddle.to_tensor(kslots), batch=batch)
+
+
+@dataclass
+class IndexRows:
+    """Where some of a DSA step's queries find their indexer keys: ``tokens`` (t0, t1) of the
+    step's tokens (None: all), ``key_slots`` int64 [L] (one request's context, positions 0..L-1)
+    or [n, L] (each token its own request's table: a decode row), ``ends`` int64 [n] the keys each
+    query sees (its position + 1). A slot of a key no query sees may be anything >= 0."""
+
+    tokens: tuple[int, int] | None
+    key_slots: paddle.Tensor
+    ends: paddle.Tensor
+
+
+def index_rows(meta: ForwardMeta, group: str) -> list[IndexRows]:
+    """The step's queries and their keys in KV cache group ``group``: one entry for a step of
+    single-token rows (decodes; from the device tables and positions alone, so a captured step
+    needs no host data), else one a request (its context from the host table)."""
+    bs = meta.block_size
+    if (meta.seq_lens_this_time == 1).all():
+        table = meta.block_tables[group].astype("int64")  # row t is token t's request
+        j = paddle.arange(table.shape[1] * bs, dtype="int64")
+        slots = (table[:, j // bs] * bs + j % bs).clip(min=0)  # -1 blocks lie past every row's end
+        return [IndexRows(None, slots, meta.positions.astype("int64") + 1)]
+    rows, cu = [], meta.cu_seqlens_q
+    for b in range(len(cu) - 1):
+        start, n = int(meta.seq_lens_decoder[b]), int(meta.seq_lens_this_time[b])
+        pos = np.arange(start + n)
+        slots = meta.host_block_tables[group][b, pos // bs].astype(np.int64) * bs + pos % bs
+        ends = np.arange(start + 1, start + n + 1, dtype=np.int64)
+        rows.append(IndexRows((int(cu[b]), int(cu[b + 1])), paddle.to_tensor(slots), paddle.to_tensor(ends)))
+    return rows
 
 
 def window_indices(

@@ -11,12 +11,22 @@ where w = weights_proj(x) * H^-0.5 * D^-0.5, times q's per-head scale when q is 
 FP8, q and k are e4m3 per D-vector with power-of-two scales (``quantize_pow2_e4m3``); without,
 the scales are 1 (the unquantized path Hugging Face's ``DeepseekV32Indexer`` computes). The pick
 is the top ``min(topk, ends[t])`` keys by score, highest first, ties to the lower key id, then -1.
+
+The indexer cache keeps each token's key once per DSA layer (``../shared/DESIGN.md`` §T), paged
+like the layer's latent: with FP8 a block of ``bs`` tokens is one page of ``bs * (D + 4)`` bytes,
+the ``bs`` keys' e4m3 codes (D bytes each) first, then their ``bs`` float32 scales (DeepGEMM's
+paged layout when bs is 64); unquantized, a key is D values in the cache's dtype. The tensor is
+[num_blocks, bs, 1, D + 4] uint8 or [num_blocks, bs, 1, D] (the KVSpec shape); only its bytes'
+order within a block differs from the shape's.
 """
 
 from __future__ import annotations
 
 import paddle
 
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import _e4m3_table, e4m3_codes_ref
+
+SCALE_BYTES = 4  # one float32 scale a key in an FP8 page
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4  # DeepSeek's act_quant floors amax here, so an all-zero vector gets a finite scale
 
@@ -38,13 +48,15 @@ def index_scores(
     ends: paddle.Tensor,
     k_scale: paddle.Tensor | None = None,
 ) -> paddle.Tensor:
-    """q [T, H, D], w [T, H], k [S, D] (float32), ends int [T] (query t sees keys 0..ends[t]-1),
-    k_scale [S] or None -> scores float32 [T, S], -inf where a query does not see the key."""
-    logits = paddle.nn.functional.relu(paddle.einsum("thd,sd->ths", q, k))  # [T, H, S]
+    """q [T, H, D], w [T, H], k [S, D] shared by the queries or [T, S, D] a query each (float32),
+    ends int [T] (query t sees keys 0..ends[t]-1), k_scale [S] / [T, S] or None -> scores float32
+    [T, S], -inf where a query does not see the key."""
+    per_query = k.ndim == 3
+    logits = paddle.nn.functional.relu(paddle.einsum("thd,tsd->ths" if per_query else "thd,sd->ths", q, k))
     scores = paddle.einsum("th,ths->ts", w, logits)
     if k_scale is not None:
-        scores = scores * k_scale.unsqueeze(0)
-    seen = paddle.arange(k.shape[0], dtype="int64").unsqueeze(0) < ends.astype("int64").unsqueeze(1)
+        scores = scores * (k_scale if per_query else k_scale.unsqueeze(0))
+    seen = paddle.arange(k.shape[-2], dtype="int64").unsqueeze(0) < ends.astype("int64").unsqueeze(1)
     return paddle.where(seen, scores, paddle.full_like(scores, float("-inf")))
 
 
@@ -62,3 +74,55 @@ def index_topk(scores: paddle.Tensor, ends: paddle.Tensor, topk: int) -> paddle.
     if kk < topk:
         ids = paddle.concat([ids, paddle.full([T, topk - kk], -1, "int32")], axis=1)
     return ids
+
+
+# ---------------------------------------------------------------- the indexer cache
+
+
+def index_key_width(cache: paddle.Tensor) -> int:
+    """D, the key width of an indexer cache [num_blocks, bs, 1, D + 4] (uint8) or [.., D]."""
+    return cache.shape[-1] - SCALE_BYTES if cache.dtype == paddle.uint8 else cache.shape[-1]
+
+
+def _page_bytes(slots: paddle.Tensor, block_size: int, d: int) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """Byte offsets in a flat FP8 indexer cache of the keys at ``slots`` int64 [n]: their codes
+    [n, D] and their scales [n, 4]."""
+    page = (slots // block_size) * (block_size * (d + SCALE_BYTES))
+    off = (slots % block_size).unsqueeze(1)
+    codes = page.unsqueeze(1) + off * d + paddle.arange(d, dtype="int64")
+    scales = page.unsqueeze(1) + block_size * d + off * SCALE_BYTES + paddle.arange(SCALE_BYTES, dtype="int64")
+    return codes, scales
+
+
+def write_index_keys_ref(k: paddle.Tensor, slots: paddle.Tensor, cache: paddle.Tensor) -> None:
+    """Store keys k [T, D] (float32) at ``slots`` int32 [T] of the indexer cache, in place: e4m3
+    codes and power-of-two scales (``quantize_pow2_e4m3``) in a uint8 cache, the values in a float
+    one. Every row is written (a static shape): a slot < 0 writes the cache's last slot, the null
+    block's, which no pool hands out."""
+    n_slots = cache.shape[0] * cache.shape[1]
+    slots = slots.astype("int64")
+    slots = paddle.where(slots >= 0, slots, paddle.full_like(slots, n_slots - 1))
+    if cache.dtype != paddle.uint8:
+        cache.reshape([n_slots, cache.shape[-1]])[slots] = k.astype(cache.dtype)  # reshape is a view
+        return
+    values, scale = quantize_pow2_e4m3(k.astype("float32"))
+    codes, scales = _page_bytes(slots, cache.shape[1], index_key_width(cache))
+    flat = cache.reshape([-1])
+    flat[codes.flatten()] = e4m3_codes_ref(values).flatten()
+    flat[scales.flatten()] = scale.astype("float32").contiguous().view("uint8").flatten()
+
+
+def read_index_keys_ref(cache: paddle.Tensor, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor | None]:
+    """The keys at ``slots`` int64 [...] (each >= 0) -> (float32 [..., D], their float32 scales
+    [...], None for an unquantized cache). FP8 keys come back as their e4m3 values: key = values *
+    scale."""
+    lead, flat_slots = list(slots.shape), slots.reshape([-1]).astype("int64")
+    d = index_key_width(cache)
+    if cache.dtype != paddle.uint8:
+        keys = cache.reshape([-1, d])[flat_slots].astype("float32")
+        return keys.reshape(lead + [d]), None
+    codes, scales = _page_bytes(flat_slots, cache.shape[1], d)
+    flat = cache.reshape([-1])
+    values = _e4m3_table(str(cache.place))[flat[codes.flatten()].astype("int64")].reshape(lead + [d])
+    scale = flat[scales.flatten()].reshape([-1, SCALE_BYTES]).contiguous().view("float32").reshape(lead)
+    return values, scale
