@@ -189,6 +189,31 @@ def test_dtype_resolves_once_into_the_model_config():
         resolve_dtype("int8", on_gpu=False)
 
 
+def test_indexed_layers_come_from_layer_types_or_model_type():
+    """DeepSeek-V3.2 (model_type deepseek_v32) indexes every layer, its MTP layer included;
+    ``layer_types`` names each layer's kind and may mix all three (an MTP layer it does not list
+    is indexed only in a deepseek_v32 model); DSA layers keep every token (the full group)."""
+    v32 = cfg(model_type="deepseek_v32", num_nextn_predict_layers=1)
+    assert v32.index_flags == [1] * 9 and not v32.swa_layer_ids
+    assert (v32.index_topk, v32.index_n_heads, v32.index_head_dim, v32.indexer_rope_interleave) == (
+        2048,
+        64,
+        128,
+        False,
+    )
+    kinds = ["sliding_attention", "indexed_attention", "full_attention", "indexed_attention"] * 2
+    mixed = cfg(layer_types=kinds, sliding_window=16, num_nextn_predict_layers=1, index_topk=512)
+    assert [i for i in range(9) if mixed.is_indexed_layer(i)] == [1, 3, 5, 7]
+    assert mixed.swa_layer_ids == [0, 4] and mixed.index_topk == 512
+    mixed.mtp_layers = 1
+    assert mixed.kv_cache_groups == {"swa": [0, 4], "full": [1, 2, 3, 5, 6, 7, 8]}
+    listed = cfg(layer_types=kinds + ["indexed_attention"], sliding_window=16, num_nextn_predict_layers=1)
+    assert listed.is_indexed_layer(8)
+    v32_listed = cfg(model_type="deepseek_v32", layer_types=["indexed_attention"] * 8, num_nextn_predict_layers=1)
+    assert v32_listed.is_indexed_layer(8)
+    assert not any(cfg().index_flags) and not cfg().is_indexed_layer(99)
+
+
 def test_kv_spec_for_is_a_function_of_the_configs():
     """Each layer's KV layout from the model config (its SWA layers, its dtype) and the cache config
     alone: SWA layers the 656-byte record, full layers 576 values in the model dtype, bf16 or the
@@ -210,6 +235,19 @@ def test_kv_spec_for_is_a_function_of_the_configs():
                 s = kv_spec_for(mc, cc, layer)
                 got = (s.group, s.dtype, s.bytes_per_token, s.last_dim)
                 assert got == (("swa", "uint8", 656, 656) if layer % 2 == 0 else want), (dtype, kv, layer)
+                assert s.index is None
+    # a DSA layer: the full layers' latent plus its indexer keys (e4m3 + a float32 scale with fp8)
+    v32 = cfg(model_type="deepseek_v32")
+    for kv, (main, index) in (
+        ("fp8", (("full", "uint8", 656 + 132, 656), ("full", "uint8", 132, 132))),
+        ("auto", (("full", "float32", 4 * 576 + 4 * 128, 576), ("full", "float32", 512, 128))),
+        ("bf16", (("full", "bfloat16", 1152 + 256, 576), ("full", "bfloat16", 256, 128))),
+    ):
+        s = kv_spec_for(v32, CacheConfig(kv_cache_dtype=kv), 3)
+        assert (s.group, s.dtype, s.bytes_per_token, s.last_dim) == main, kv
+        i = s.index
+        assert (i.group, i.dtype, i.bytes_per_token, i.last_dim) == index, kv
+        assert i.index is None
 
 
 @pytest.mark.parametrize(
@@ -218,8 +256,22 @@ def test_kv_spec_for_is_a_function_of_the_configs():
         ({"hidden_act": "gelu"}, "config key 'hidden_act'='gelu': only 'silu' is supported"),
         ({"attention_bias": True}, "config key 'attention_bias'=true: attention projections with biases"),
         ({"tie_word_embeddings": True}, "config key 'tie_word_embeddings'=true: an LM head tied"),
-        ({"model_type": "deepseek_v32"}, "DeepSeek-V3.2's indexed attention .* is not supported yet"),
-        ({"layer_types": ["indexed_attention"] * 8}, "DeepSeek-V3.2's indexed attention .* is not supported yet"),
+        ({"model_type": "deepseek_v32", "index_topk": 0}, "config key 'index_topk' must be a positive int, got 0"),
+        ({"model_type": "deepseek_v32", "index_n_heads": 1.5}, "config key 'index_n_heads' must be a positive int"),
+        ({"model_type": "deepseek_v32", "index_head_dim": 32}, "'index_head_dim'=32 is below qk_rope_head_dim=64"),
+        (
+            {"model_type": "deepseek_v32", "indexer_rope_interleave": "yes"},
+            "config key 'indexer_rope_interleave' must be true or false, got 'yes'",
+        ),
+        (
+            {"layer_types": ["indexed_attention"] * 8, "q_lora_rank": None},
+            "config key 'q_lora_rank' is null: the indexed \\(DSA\\) layers' indexer reads the q latent",
+        ),
+        (
+            {"layer_types": ["indexed_attention"] * 8, "sliding_window": 64, "window_attn_skip_freq": [1] * 8},
+            "disagree on the SWA layers",
+        ),
+        ({"layer_types": ["linear_attention"] * 8}, "config key 'layer_types' has unknown entry 'linear_attention'"),
         ({"rope_interleave": "no"}, "config key 'rope_interleave' must be true or false, got 'no'"),
     ],
 )
