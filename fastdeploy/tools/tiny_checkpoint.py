@@ -174,7 +174,10 @@ def tiny_weights(cfg: dict, seed: int) -> dict[str, np.ndarray]:
 
     out["model.embed_tokens.weight"] = rng.standard_normal((cfg["vocab_size"], h)).astype(np.float32)
     n_main = cfg["num_hidden_layers"]
-    indexed = {i for i, kind in enumerate(cfg.get("layer_types") or []) if kind == "indexed_attention"}
+    kinds = cfg.get("layer_types") or []
+    indexed = {i for i, kind in enumerate(kinds) if kind == "indexed_attention"}
+    if cfg.get("model_type") == "deepseek_v32":  # its MTP layer is indexed too, as DeepSeek-V3.2 ships
+        indexed |= set(range(len(kinds), n_main + cfg.get("num_nextn_predict_layers", 0)))
     for i in [*range(n_main), "norm", *range(n_main, n_main + cfg.get("num_nextn_predict_layers", 0))]:
         if i == "norm":  # the target's head before the MTP layer: the same target with or without it
             norm("model.norm.weight", h)
@@ -239,7 +242,10 @@ FP8_CONFIG = {"quant_method": "fp8", "weight_block_size": [128, 128], "activatio
 
 def is_fp8_tensor(name: str) -> bool:
     """The tensors DeepSeek-V3's FP8 checkpoints store as e4m3: the decoder layers' projections
-    (attention, dense MLP, experts, shared experts); not the router, norms, embedding or LM head."""
+    (attention, dense MLP, experts, shared experts) and the indexer's wq_b and wk; not the router,
+    norms, embedding, LM head or the indexer's weights_proj (DeepSeek-V3.2 ships it in bf16)."""
+    if ".indexer." in name:
+        return name.endswith((".wq_b.weight", ".wk.weight"))
     return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 

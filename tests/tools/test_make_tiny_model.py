@@ -114,11 +114,13 @@ def test_safetensors_roundtrip_and_errors(tmp_path):
         SafeTensorsFile(str(bad))
 
 
-def test_tiny_deepseek_v32_loads_in_hugging_faces_model_and_is_refused_here(tmp_path):
+def test_tiny_deepseek_v32_loads_in_hugging_faces_model_and_here(tmp_path):
     """``--dsa-layers all``: DeepSeek-V3.2's own config (model_type deepseek_v32, every layer
     indexed, index_topk / index_n_heads / index_head_dim) and the indexer's weights under HF's
     names, which HF's DeepseekV32ForCausalLM loads with no key missing, unexpected or mismatched
-    and runs; the engine refuses it by name until it serves indexed layers (issue 39)."""
+    and runs; the engine reads every layer as indexed. With ``--fp8`` the indexer's wq_b and wk
+    are e4m3 with block scales and weights_proj stays bf16, as DeepSeek-V3.2 ships them; with
+    ``--mtp`` the MTP layer has its indexer too."""
     import torch
     from transformers import DeepseekV32ForCausalLM
 
@@ -137,8 +139,14 @@ def test_tiny_deepseek_v32_loads_in_hugging_faces_model_and_is_refused_here(tmp_
     with torch.no_grad():
         logits = model(torch.arange(2, 26)[None]).logits
     assert logits.shape == (1, 24, cfg["vocab_size"]) and torch.isfinite(logits).all()
-    with pytest.raises(ValueError, match="DeepSeek-V3.2's indexed attention .* is not supported yet"):
-        ModelConfig.from_pretrained(d)
+    assert ModelConfig.from_pretrained(d).index_flags == [1] * 4
+    d8 = str(tmp_path / "v32_fp8")
+    mtm.main([d8, "--dsa-layers", "all", "--fp8", "--mtp"])
+    f = SafeTensorsFile(os.path.join(d8, "model.safetensors"))
+    x = "model.layers.4.self_attn.indexer."
+    assert f.dtype(x + "wq_b.weight") == f.dtype(x + "wk.weight") == "F8_E4M3"
+    assert x + "wk.weight_scale_inv" in f.keys() and f.dtype(x + "weights_proj.weight") == "BF16"
+    assert ModelConfig.from_pretrained(d8).index_flags == [1] * 5
 
 
 def test_hybrid_layer_kinds(tmp_path, capsys):

@@ -42,3 +42,35 @@ def test_planner_matches_the_runner(tiny_model_dir, capsys):
     planner.main(["--config", path, "--tensor-parallel-size", "2", "--gpu-memory-gib", "1", "--dtype", "float32"])
     out = capsys.readouterr().out
     assert "weights de-quantized (float32)" in out and "kept FP8" in out and "tokens of KV per pool: full" in out
+
+
+def layer_bytes(cache) -> int:
+    """A layer's cache bytes: one tensor, or a DSA layer's latent and indexer keys."""
+    return sum(nbytes(t) for t in cache) if isinstance(cache, tuple) else nbytes(cache)
+
+
+def test_planner_counts_dsa_layers_as_the_runner_allocates(tmp_path, capsys):
+    """A window + indexed + full tiny model with kv_cache_dtype fp8: a DSA layer holds 656 + 132
+    bytes a token (records and e4m3 index keys) in the full group, and the planned bytes equal the
+    runner's tensors; DeepSeek-V3.2's config at TP 8 plans 61 x 788 bytes a token."""
+    from fastdeploy.tools.tiny_checkpoint import make_tiny_model
+
+    d = make_tiny_model(str(tmp_path / "hyb"), seed=3, swa_layers=[0], dsa_layers=[1, 3], index_topk=16)
+    llm = LLM(model=d, block_size=16, max_model_len=256, kv_cache_dtype="fp8")
+    runner = llm.engine.runner
+    fd = runner.fd
+    held = sum(nbytes(p) for p in runner.model.parameters())
+    res = planner.plan(fd, "float32", (CPU_KV_CACHE_BYTES + held) / fd.cache_config.gpu_memory_utilization)
+    assert res["kv_blocks_held"] == runner.num_blocks
+    assert [nbytes(t) // (runner.num_blocks["full"] + 1) // 16 for t in runner.caches[1]] == [656, 132]
+    bs = fd.cache_config.block_size
+    for g, layers in fd.model_config.kv_cache_groups.items():
+        allocated = sum(layer_bytes(runner.caches[i]) for i in layers)
+        assert res["kv_bytes_per_token"][g] * (res["kv_tokens_held"][g] + bs) == allocated
+    assert res["kv_bytes_per_token"] == {"swa": 656, "full": (656 + 132) + 656 + (656 + 132)}
+    config = "benchmarks/configs/deepseek_v32.json"
+    planner.main(
+        ["--config", config, "--tensor-parallel-size", "8", "--gpu-memory-gib", "141", "--kv-cache-dtype", "fp8"]
+    )
+    out = capsys.readouterr().out
+    assert f"KV bytes per token: full {61 * (656 + 132)}" in out
