@@ -30,6 +30,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def dsa_model_dir(tmp_path_factory) -> str:
+    """A tiny hybrid of every attention kind: layer 0 SWA (W 32), 1 and 3 DSA (index_topk 16), 2 full."""
+    from fastdeploy.tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("dsa")), swa_layers=[0], dsa_layers=[1, 3], index_topk=16)
+
+
+@pytest.fixture(scope="session")
 def mtp_model_dir(tmp_path_factory) -> str:
     """The tiny model with an MTP layer (SWA, W = 32), fitted to the model's continuations."""
     from fastdeploy.tools.make_tiny_model import make_tiny_model

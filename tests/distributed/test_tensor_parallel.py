@@ -126,6 +126,16 @@ def test_speculative_decoding_at_tp2_equals_tp1_without(mtp_model_dir, rng):
     assert [r[0] for r in got] == [r[0] for r in want] and all(len(r[0]) == 40 for r in got)
 
 
+def test_dsa_layers_at_tp2_equal_tp1(dsa_model_dir, rng):
+    """DSA layers under TP 2: the attention heads split, the indexer's heads whole on every rank
+    (its weights replicated), so both ranks pick the same keys as TP 1; a window, indexed and full
+    hybrid with prompts past 4 x index_topk, chunked: TP 1's greedy tokens and logprobs."""
+    ps = [{"prompt_token_ids": [int(x) for x in rng.integers(2, 500, n)]} for n in (70, 21)]
+    sp = dict(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
+    want, got = (run(tp, [ps], sp, model=dsa_model_dir, max_num_batched_tokens=40) for tp in (1, 2))
+    assert_same(want, got)
+
+
 def test_each_rank_reads_only_its_slices(tiny_model_dir):
     """Loading with TP 2 reads each rank's slices: their bytes add up to the checkpoint plus the
     replicated tensors once more, and every parameter is the matching slice of the TP 1 one."""

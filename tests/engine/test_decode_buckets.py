@@ -227,14 +227,16 @@ def test_the_guard_refuses_data_dependent_shapes():
 
 
 @pytest.mark.parametrize(
-    "capture, provider, kv_cache_dtype",
+    "capture, provider, kv_cache_dtype, model",
     [
-        (False, "triton", "auto"),
-        (True, "triton", "auto"),  # full layers' latent cache in the model dtype
-        (True, "triton", "fp8"),
-        (True, "reference", "auto"),
-        (True, "flashmla", "bf16"),  # FlashMLA's dense decode over a bf16 latent cache: the GPU default
-        (True, "flashmla", "fp8"),
+        (False, "triton", "auto", "tiny_model_dir"),
+        (True, "triton", "auto", "tiny_model_dir"),  # full layers' latent cache in the model dtype
+        (True, "triton", "fp8", "tiny_model_dir"),
+        (True, "reference", "auto", "tiny_model_dir"),
+        (True, "flashmla", "bf16", "tiny_model_dir"),  # FlashMLA's dense decode over a bf16 latent cache
+        (True, "flashmla", "fp8", "tiny_model_dir"),
+        (True, "triton", "fp8", "dsa_model_dir"),  # DSA layers: the indexer's pick inside the captured step
+        (True, "reference", "auto", "dsa_model_dir"),
     ],
     ids=[
         "eager",
@@ -243,14 +245,17 @@ def test_the_guard_refuses_data_dependent_shapes():
         "captured-reference",
         "captured-flashmla-bf16",
         "captured-flashmla-fp8",
+        "captured-dsa-fp8",
+        "captured-dsa-reference",
     ],
 )
-def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch, capture, provider, kv_cache_dtype):
+def test_decode_steps_never_sync_the_host(request, rng, monkeypatch, capture, provider, kv_cache_dtype, model):
     """Steady padded decode steps with the Triton kernels (interpreter): the forward and the
     sampler's device op run with every tensor-to-host conversion and every data-dependent shape
     raising. Captured: the whole captured step (inputs out of the step buffer, the step's
     ForwardMeta and plans, the model, the LM head) runs with host copies and uploads raising, for
-    each sparse MLA provider (FlashMLA: its stand-in) and both full-layer cache formats."""
+    each sparse MLA provider (FlashMLA: its stand-in) and both full-layer cache formats, and for a
+    model with DSA layers (the indexer's key write, scores and pick on the device)."""
     import sys
 
     from fake_flash_mla import fake_flash_mla
@@ -259,7 +264,7 @@ def test_decode_steps_never_sync_the_host(tiny_model_dir, rng, monkeypatch, capt
 
     monkeypatch.setitem(sys.modules, "flash_mla", fake_flash_mla([]))
     eng = LLM(
-        tiny_model_dir,
+        request.getfixturevalue(model),
         block_size=16,
         max_num_seqs=4,
         kernel_backend="triton",

@@ -188,25 +188,34 @@ def pow2_e4m3(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return e4m3_round(x / scale[..., None]), scale
 
 
-def indexer_pick(x, q_lat, w, a, cfg, ang, mult, fp8=False):
-    """DeepSeek-V3.2's lightning indexer over one sequence, unquantized (as Hugging Face's
-    DeepseekV32Indexer): q = wq_b(q_lat) [T, H, D], k = LayerNorm(wk(x)) [T, D], RoPE (NeoX halves
-    unless ``indexer_rope_interleave``) on their first qk_rope_head_dim dims, score[t, s] =
-    sum_h w[t, h] relu(q[t, h] . k[s]) with w = weights_proj(x) H^-0.5 D^-0.5 over s <= t; each
-    query keeps its top min(index_topk, t + 1) keys (ties to the lower id). ``fp8``: q and k
-    quantized first (``pow2_e4m3`` per head / per key), w times q's scale, each score times its
-    key's scale, as the engine's FP8 indexer cache computes them. -> bool [T, T] kept."""
+def indexer_qkw(x, q_lat, w, a, cfg, ang, mult, act_fp8=False):
+    """DeepSeek-V3.2's indexer projections over one sequence: q = wq_b(q_lat) [T, H, D], k =
+    LayerNorm(wk(x)) [T, D], RoPE (NeoX halves unless ``indexer_rope_interleave``, the rotated
+    dims as [first, second] of each pair) on their first qk_rope_head_dim dims, and the head
+    weights w = weights_proj(x) H^-0.5 D^-0.5 [T, H]; ``act_fp8``: wq_b's and wk's inputs quantized
+    as W8A8 GEMMs quantize them (an FP8 checkpoint kept FP8)."""
     T = x.shape[0]
     H, D, R = cfg["index_n_heads"], cfg["index_head_dim"], cfg["qk_rope_head_dim"]
     p = a + "indexer."
-    q = (q_lat @ w[p + "wq_b.weight"].T).reshape(T, H, D)
-    k = x @ w[p + "wk.weight"].T
+    q = proj(q_lat, w, p + "wq_b.weight", act_fp8).reshape(T, H, D)
+    k = proj(x, w, p + "wk.weight", act_fp8)
     mu, var = k.mean(-1, keepdims=True), k.var(-1, keepdims=True)
     k = (k - mu) / np.sqrt(var + 1e-6) * w[p + "k_norm.weight"] + w[p + "k_norm.bias"]
     inter = cfg.get("indexer_rope_interleave", False)
     q = np.concatenate([rotate_pairs(q[..., :R], ang, mult, inter), q[..., R:]], -1)
     k = np.concatenate([rotate_pairs(k[:, :R], ang, mult, inter), k[:, R:]], -1)
-    wt = (x @ w[p + "weights_proj.weight"].T) * H**-0.5 * D**-0.5
+    return q, k, (x @ w[p + "weights_proj.weight"].T) * H**-0.5 * D**-0.5
+
+
+def indexer_pick(x, q_lat, w, a, cfg, ang, mult, fp8=False, act_fp8=False):
+    """DeepSeek-V3.2's lightning indexer over one sequence, unquantized (as Hugging Face's
+    DeepseekV32Indexer): score[t, s] = sum_h w[t, h] relu(q[t, h] . k[s]) over s <= t
+    (``indexer_qkw``); each query keeps its top min(index_topk, t + 1) keys (ties to the lower
+    id). ``fp8``: q and k quantized first (``pow2_e4m3`` per head / per key), w times q's scale,
+    each score times its key's scale, as the engine's FP8 indexer cache computes them.
+    -> bool [T, T] kept."""
+    T = x.shape[0]
+    q, k, wt = indexer_qkw(x, q_lat, w, a, cfg, ang, mult, act_fp8)
     k_scale = np.ones(T)
     if fp8:
         (q, q_scale), (k, k_scale) = pow2_e4m3(q), pow2_e4m3(k)
@@ -274,7 +283,7 @@ def decoder_layer(
     s = np.einsum("thd,shd->hts", qq, k) * scale
     mask = (j <= i) & ((j > i - window) if window else True)
     if is_indexed(cfg, layer):
-        mask &= indexer_pick(h, q_lat, w, a, cfg, ang, mult, index_fp8)
+        mask &= indexer_pick(h, q_lat, w, a, cfg, ang, mult, index_fp8, act_fp8)
     s = np.where(mask[None], s, -np.inf)
     pr = np.exp(s - s.max(-1, keepdims=True))
     pr /= pr.sum(-1, keepdims=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import paddle
 
-from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import _e4m3_table, e4m3_codes_ref
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import _e4m3_table
 
 SCALE_BYTES = 4  # one float32 scale a key in an FP8 page
 E4M3_MAX = 448.0
@@ -97,8 +97,8 @@ def _page_bytes(slots: paddle.Tensor, block_size: int, d: int) -> tuple[paddle.T
 def write_index_keys_ref(k: paddle.Tensor, slots: paddle.Tensor, cache: paddle.Tensor) -> None:
     """Store keys k [T, D] (float32) at ``slots`` int32 [T] of the indexer cache, in place: e4m3
     codes and power-of-two scales (``quantize_pow2_e4m3``) in a uint8 cache, the values in a float
-    one. Every row is written (a static shape): a slot < 0 writes the cache's last slot, the null
-    block's, which no pool hands out."""
+    one. Every row is written in device ops (a static shape, no host read: a captured step runs
+    it): a slot < 0 writes the cache's last slot, the null block's, which no pool hands out."""
     n_slots = cache.shape[0] * cache.shape[1]
     slots = slots.astype("int64")
     slots = paddle.where(slots >= 0, slots, paddle.full_like(slots, n_slots - 1))
@@ -108,7 +108,7 @@ def write_index_keys_ref(k: paddle.Tensor, slots: paddle.Tensor, cache: paddle.T
     values, scale = quantize_pow2_e4m3(k.astype("float32"))
     codes, scales = _page_bytes(slots, cache.shape[1], index_key_width(cache))
     flat = cache.reshape([-1])
-    flat[codes.flatten()] = e4m3_codes_ref(values).flatten()
+    flat[codes.flatten()] = values.astype("float8_e4m3fn").view("uint8").flatten()  # exact: already e4m3
     flat[scales.flatten()] = scale.astype("float32").contiguous().view("uint8").flatten()
 
 
