@@ -104,3 +104,60 @@ def test_pick_equals_hugging_faces_indexer(rng):
         assert all(abs(scores[r, j] - scores[r, ids[r, n - 1]]) <= tol for j in swapped), r
         assert (ids[r, n:] == -1).all()
         assert (np.diff(scores[r, hf[r, :n]]) <= tol).all(), r  # HF's order is ours up to rounding
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8_cache", "float_cache"])
+def test_index_logits_kernel_equals_the_reference(fp8, rng):
+    """One step over a paged indexer cache (block_size 16, blocks drawn at random, the rest of the
+    cache NaN): a prefill of 21 tokens after 11 cached ones and two decode rows, one at a block
+    edge. The Triton kernel (one launch for every row), the paddle reference (one key gather a
+    request) and the float64 scores of the cached keys agree; past each row's end, -inf."""
+    from types import SimpleNamespace
+
+    from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import (
+        index_logits_ref,
+        index_logits_triton,
+        write_index_keys_ref,
+    )
+
+    BS, H, D, nb = 16, 16, 128, 4
+    starts, counts = [11, 31, 47], [21, 1, 1]  # request b's queries: positions start .. start + count - 1
+    table = rng.permutation(20)[: 3 * nb].reshape(3, nb).astype(np.int32)
+    shape = [21, BS, 1, D + 4] if fp8 else [21, BS, 1, D]
+    cache = paddle.full(shape, 0xFF if fp8 else float("nan"), "uint8" if fp8 else "float32")
+    keys = {}
+    for b in range(3):
+        pos = np.arange(starts[b] + counts[b])
+        keys[b] = rng.standard_normal((len(pos), D)).astype(np.float32)
+        slots = table[b, pos // BS] * BS + pos % BS
+        write_index_keys_ref(paddle.to_tensor(keys[b]), paddle.to_tensor(slots.astype(np.int32)), cache)
+    krow = np.repeat(np.arange(3), counts).astype(np.int32)
+    ends = np.concatenate([np.arange(s, s + c) + 1 for s, c in zip(starts, counts, strict=True)])
+    T, width = len(krow), nb * BS
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    w = (rng.standard_normal((T, H)) * H**-0.5 * D**-0.5).astype(np.float32)
+    if fp8:
+        qq, qs = pow2_e4m3_ref(q.astype(np.float64))
+        q, w = qq.astype(np.float32), (w * qs).astype(np.float32)
+    t = paddle.to_tensor
+    got = index_logits_triton(t(q), t(w), cache, t(table), t(krow), t(ends), width).numpy()
+    rows, cu = [], np.concatenate([[0], np.cumsum(counts)])
+    for b in range(3):
+        pos = np.arange(ends[cu[b + 1] - 1])
+        slots = (table[b, pos // BS] * BS + pos % BS).astype(np.int64)
+        rows.append(
+            SimpleNamespace(tokens=(int(cu[b]), int(cu[b + 1])), key_slots=t(slots), ends=t(ends[cu[b] : cu[b + 1]]))
+        )
+    ref = index_logits_ref(t(q), t(w), cache, rows, width).numpy()
+    want = np.full((T, width), -np.inf)
+    for i in range(T):
+        k = keys[krow[i]].astype(np.float64)
+        k_scale = np.ones(len(k))
+        if fp8:
+            k, k_scale = pow2_e4m3_ref(k)
+        s = np.maximum(np.einsum("hd,sd->hs", q[i].astype(np.float64), k), 0)
+        want[i, : ends[i]] = (w[i].astype(np.float64) @ s * k_scale)[: ends[i]]
+    for x in (got, ref):
+        assert (np.isinf(x) == np.isinf(want)).all()
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(x[fin], want[fin], rtol=2e-5, atol=2e-5 * np.abs(want[fin]).max())

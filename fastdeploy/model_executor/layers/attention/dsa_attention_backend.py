@@ -44,10 +44,10 @@ from fastdeploy.model_executor.layers.attention.step_plan import (
     window_indices,
 )
 from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import (
-    index_scores,
+    index_logits_ref,
+    index_logits_triton,
     index_topk,
     quantize_pow2_e4m3,
-    read_index_keys_ref,
     write_index_keys_ref,
 )
 
@@ -117,8 +117,8 @@ class DSAAttentionBackend(MLABackendBase):
         )
         plan = StepPlan(groups, provider)
         if any(g.form != "mha" for g in groups):
-            if self.index_topk:
-                plan.index_rows = index_rows(meta, FULL_GROUP)
+            if self.index_topk:  # the reference's key gathers (the Triton kernel reads the tables)
+                plan.index_rows = None if self.kernels.triton else index_rows(meta, FULL_GROUP)
             else:
                 topk = round_up(self.sliding_window, provider.step_topk_multiple)
                 plan.indices = window_indices(meta, SWA_GROUP, None, self.sliding_window, topk, self.kernels.triton)
@@ -149,30 +149,35 @@ class DSAAttentionBackend(MLABackendBase):
         write_index_keys_ref(index_k, meta.slot_mapping[FULL_GROUP], cache.index)
         plan = meta.attn[self.kind]
         selection = None
-        if plan.index_rows is not None:
-            selection = self.select(index_q, index_w, cache.index, plan)
+        if any(g.form != "mha" for g in plan.groups):
+            selection = self.select(index_q, index_w, cache.index, meta, plan)
         return self.forward(q_nope, q_pe, kv_c, k_pe, cache.kv, meta, w_uk, w_uv, selection)
 
-    def select(self, q: paddle.Tensor, w: paddle.Tensor, index_cache: paddle.Tensor, plan: StepPlan) -> paddle.Tensor:
+    def select(
+        self, q: paddle.Tensor, w: paddle.Tensor, index_cache: paddle.Tensor, meta: ForwardMeta, plan: StepPlan
+    ) -> paddle.Tensor:
         """int32 [T, K'] (K rounded up to the provider's multiple): each token's top K slots by
         its index score (ties to the lower position), then -1. With an FP8 indexer cache q is
-        quantized per head as the keys are, its scale folded into w."""
-        if self.fp8_index:
+        quantized per head as the keys are, its scale folded into w. The logits of every token at
+        every position of its block-table row come from the Triton kernel or the reference (one
+        key gather per ``plan.index_rows`` entry); the pick and the position-to-slot map are
+        shared."""
+        if index_cache.dtype == paddle.uint8:
             q, q_scale = quantize_pow2_e4m3(q)
             w = w * q_scale
-        width = round_up(self.index_topk, plan.provider.step_topk_multiple)
-        out = []
-        for rows in plan.index_rows:
-            t = slice(None) if rows.tokens is None else slice(*rows.tokens)
-            keys, k_scale = read_index_keys_ref(index_cache, rows.key_slots)
-            picked = index_topk(index_scores(q[t], w[t], keys, rows.ends, k_scale), rows.ends, self.index_topk)
-            at = picked.astype("int64").clip(min=0)
-            slots = paddle.take_along_axis(rows.key_slots, at, 1) if rows.key_slots.ndim == 2 else rows.key_slots[at]
-            out.append(paddle.where(picked >= 0, slots.astype("int32"), picked))
-        sel = out[0] if len(out) == 1 else paddle.concat(out)
-        if width > self.index_topk:
-            sel = paddle.concat([sel, paddle.full([sel.shape[0], width - self.index_topk], -1, "int32")], 1)
-        return sel
+        table, bs = meta.block_tables[FULL_GROUP], meta.block_size
+        krow, ends = meta.batch_id_per_token, meta.positions.astype("int64") + 1
+        width = table.shape[1] * bs
+        if self.kernels.triton:
+            logits = index_logits_triton(q, w, index_cache, table, krow, ends, width)
+        else:
+            logits = index_logits_ref(q, w, index_cache, plan.index_rows, width)
+        picked = index_topk(logits, ends, self.index_topk).astype("int64")  # positions, -1 past the pick
+        at = picked.clip(min=0)
+        blk = paddle.take_along_axis(table.astype("int64")[krow], at // bs, 1)
+        sel = paddle.where(picked >= 0, blk * bs + at % bs, picked).astype("int32")
+        pad = round_up(self.index_topk, plan.provider.step_topk_multiple) - self.index_topk
+        return paddle.concat([sel, paddle.full([sel.shape[0], pad], -1, "int32")], 1) if pad else sel
 
     def absorbed(
         self,

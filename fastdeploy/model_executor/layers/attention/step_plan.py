@@ -133,8 +133,9 @@ def mha_keys(meta: ForwardMeta, window: int, reqs: np.ndarray, host_table: np.nd
 class IndexRows:
     """Where some of a DSA step's queries find their indexer keys: ``tokens`` (t0, t1) of the
     step's tokens (None: all), ``key_slots`` int64 [L] (one request's context, positions 0..L-1)
-    or [n, L] (each token its own request's table: a decode row), ``ends`` int64 [n] the keys each
-    query sees (its position + 1). A slot of a key no query sees may be anything >= 0."""
+    or [n, L] (each token its own request's table row, L its whole width: a decode row), ``ends``
+    int64 [n] the keys each query sees (its position + 1). A slot of a key no query sees may be
+    anything >= 0. The reference path's key gathers (the Triton kernel reads the tables)."""
 
     tokens: tuple[int, int] | None
     key_slots: paddle.Tensor

@@ -1,6 +1,8 @@
-"""DeepSeek-V3.2's lightning indexer (DSA; ``../shared/DESIGN.md`` §T): the scores that pick which
-cached keys each query's sparse MLA attends, and the pick. Paddle references; the Triton kernels
-(prefill logits, paged decode logits, per-row top-k) come beside them.
+"""DeepSeek-V3.2's lightning indexer (DSA; docs/design.md §4.17): the scores that pick which cached
+keys each query's sparse MLA attends, and the pick. ``index_logits`` scores every query of a step
+against the positions of its request's block-table row: the Triton kernel
+(``lightning_indexer_kernel.py``, prefill and decode rows in one launch) or the paddle reference
+(``index_logits_ref``, one key gather a request).
 
 For query t with indexer heads h (q [T, H, D], its rope already applied) and cached keys s
 (k [S, D]):
@@ -22,8 +24,12 @@ order within a block differs from the shape's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import paddle
 
+from fastdeploy.model_executor.ops.triton_ops.lightning_indexer_kernel import launch_index_logits
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import _e4m3_table
 
 SCALE_BYTES = 4  # one float32 scale a key in an FP8 page
@@ -126,3 +132,61 @@ def read_index_keys_ref(cache: paddle.Tensor, slots: paddle.Tensor) -> tuple[pad
     values = _e4m3_table(str(cache.place))[flat[codes.flatten()].astype("int64")].reshape(lead + [d])
     scale = flat[scales.flatten()].reshape([-1, SCALE_BYTES]).contiguous().view("float32").reshape(lead)
     return values, scale
+
+
+# ---------------------------------------------------------------- a step's logits
+
+
+class KeyRows(Protocol):
+    """Some queries of a step and their keys (``step_plan.IndexRows``): ``tokens`` (t0, t1) or
+    None (all), ``key_slots`` int64 [L] (positions 0..L-1 of one request) or [n, L] (a row each),
+    ``ends`` int64 [n]."""
+
+    tokens: tuple[int, int] | None
+    key_slots: paddle.Tensor
+    ends: paddle.Tensor
+
+
+def index_logits_ref(
+    q: paddle.Tensor, w: paddle.Tensor, cache: paddle.Tensor, rows: Sequence[KeyRows], width: int
+) -> paddle.Tensor:
+    """Paddle reference of ``index_logits_triton``: q [T, H, D], w [T, H] float32 (q's scale in w
+    for an FP8 cache) -> float32 [T, width], logit of each query at each key position, -inf past
+    its end; the keys read once for each entry of ``rows``."""
+    out = []
+    for r in rows:
+        t = slice(None) if r.tokens is None else slice(*r.tokens)
+        keys, k_scale = read_index_keys_ref(cache, r.key_slots)
+        s = index_scores(q[t], w[t], keys, r.ends, k_scale)
+        if s.shape[1] < width:
+            s = paddle.concat([s, paddle.full([s.shape[0], width - s.shape[1]], float("-inf"), "float32")], 1)
+        out.append(s)
+    return out[0] if len(out) == 1 else paddle.concat(out)
+
+
+def index_logits_triton(
+    q: paddle.Tensor,
+    w: paddle.Tensor,
+    cache: paddle.Tensor,
+    block_table: paddle.Tensor,
+    krow: paddle.Tensor,
+    ends: paddle.Tensor,
+    width: int,
+) -> paddle.Tensor:
+    """q [T, H, D], w [T, H] float32, the indexer cache, block_table int32 [B, max_blocks],
+    krow int32 [T] (each query's table row), ends int [T] -> float32 [T, width]: query t against
+    positions 0..width-1 of its row (width at most max_blocks x bs, each end at most width)."""
+    T = q.shape[0]
+    out = paddle.empty([T, width], "float32")
+    launch_index_logits(
+        q.astype("float32").contiguous(),
+        w.astype("float32").contiguous(),
+        cache,
+        block_table.astype("int32").contiguous(),
+        krow.astype("int32").contiguous(),
+        ends.astype("int64").contiguous(),
+        out,
+        cache.shape[1],
+        cache.dtype == paddle.uint8,
+    )
+    return out

@@ -1,0 +1,108 @@
+"""Triton kernel of DeepSeek-V3.2's index logits over a paged indexer cache (contract in
+``lightning_indexer.py``); paddle-free.
+
+One program scores one query row against BLOCK_N consecutive key positions of its request's
+block-table row (prefill rows and decode rows alike: a query sees positions 0..end-1 of its own
+row):
+
+    logit[t, j] = k_scale[j] * sum_h w[t, h] * relu(q[t, h] . k[j])   for j < end[t], else -inf
+
+The keys' e4m3 codes come out of the block's page (bs x D codes, then bs float32 scales) and are
+exact in the dot's dtype (float32 in the interpreter, e4m3 on Hopper, where q is e4m3 too); an
+unquantized cache has the key values at slot * D and no scales.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fastdeploy.model_executor.ops.triton_ops.launcher import launch, stride
+
+
+@triton.jit
+def _index_logits_kernel(
+    q_ptr,
+    w_ptr,
+    cache_ptr,
+    table_ptr,
+    krow_ptr,
+    ends_ptr,
+    out_ptr,
+    stride_qt,
+    stride_wt,
+    stride_table,
+    stride_out,
+    H,
+    L,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    end = tl.load(ends_ptr + t)
+    ok = j < end
+    out = out_ptr + t * stride_out + j
+    if tl.program_id(1) * BLOCK_N >= end:  # the whole tile lies past the query's end
+        tl.store(out, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=j < L)
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + t * stride_qt + h[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
+    w = tl.load(w_ptr + t * stride_wt + h, mask=h < H, other=0.0).to(tl.float32)
+    row = tl.load(krow_ptr + t).to(tl.int64)
+    blk = tl.load(table_ptr + row * stride_table + j // BS, mask=ok, other=0).to(tl.int64)
+    blk = tl.maximum(blk, 0)
+    off = j % BS
+    if FP8:
+        page = cache_ptr + blk * (BS * (D + 4))  # uint8: the block's codes, then its scales
+        codes = tl.load(page[:, None] + off[:, None] * D + d[None, :], mask=ok[:, None], other=0)
+        k = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load((page + BS * D + off * 4).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+    else:
+        k = tl.load(cache_ptr + (blk * BS + off)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        k = k.to(tl.float32)
+        scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    s = tl.dot(q.to(tl.float32).to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)))  # [BLOCK_H, BLOCK_N]
+    logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0) * scale
+    tl.store(out, tl.where(ok, logit, float("-inf")), mask=j < L)
+
+
+def launch_index_logits(
+    q, w, cache, block_table, krow, ends, out, block_size: int, fp8: bool, block_n: int = 64, dot_fp8: bool = False
+) -> None:
+    """Framework-neutral launch. q [T, H, D] (float32, or e4m3 with ``dot_fp8``), w float32 [T, H],
+    cache uint8 [blocks, bs, 1, D + 4] (``fp8``) or float [blocks, bs, 1, D], block_table int32
+    [B, max_blocks], krow int32 [T] (the table row of each query), ends int [T] (each at most L), out float32 [T, L]."""
+    T, H, D = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
+    L = int(out.shape[1])
+    if T == 0 or L == 0:
+        return
+    grid = (T, triton.cdiv(L, block_n))
+    launch(
+        _index_logits_kernel,
+        grid,
+        q,
+        w,
+        cache,
+        block_table,
+        krow,
+        ends,
+        out,
+        stride(q, 0),
+        stride(w, 0),
+        stride(block_table, 0),
+        stride(out, 0),
+        H,
+        L,
+        D=D,
+        BS=block_size,
+        BLOCK_H=max(16, triton.next_power_of_2(H)),
+        BLOCK_N=block_n,
+        FP8=fp8,
+        DOT_DTYPE=tl.float8e4nv if dot_fp8 else tl.float32,
+    )
