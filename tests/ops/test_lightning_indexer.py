@@ -161,3 +161,22 @@ def test_index_logits_kernel_equals_the_reference(fp8, rng):
         assert (np.isinf(x) == np.isinf(want)).all()
         fin = np.isfinite(want)
         np.testing.assert_allclose(x[fin], want[fin], rtol=2e-5, atol=2e-5 * np.abs(want[fin]).max())
+
+
+def test_topk_kernel_equals_the_reference_pick(rng):
+    """The Triton top-k (a running top K over tiles, merged by sorts of packed (score, position)
+    keys) against index_topk's stable sort: rows ending before, at and past k (tiles of k merged
+    several times), scores with ties (equal ones, to the lower position) and negative scores."""
+    from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import index_topk_triton
+
+    T, L, k = 6, 100, 16
+    s = rng.standard_normal((T, L)).astype(np.float32)
+    s[1, 3:60:7] = s[1, 2]  # ties
+    s[2] = np.round(s[2])  # many ties
+    s[3] = -np.abs(s[3])
+    ends = np.array([1, 60, L, k, k - 3, 37])
+    s[np.arange(L)[None, :] >= ends[:, None]] = -np.inf
+    got = index_topk_triton(paddle.to_tensor(s), paddle.to_tensor(ends), k).numpy()
+    want = index_topk(paddle.to_tensor(s), paddle.to_tensor(ends), k).numpy()
+    np.testing.assert_array_equal(got, want)
+    assert (got[0, 1:] == -1).all() and (got[2] >= 0).all()

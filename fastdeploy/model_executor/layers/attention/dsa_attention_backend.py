@@ -47,6 +47,7 @@ from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import (
     index_logits_ref,
     index_logits_triton,
     index_topk,
+    index_topk_triton,
     quantize_pow2_e4m3,
     write_index_keys_ref,
 )
@@ -159,9 +160,9 @@ class DSAAttentionBackend(MLABackendBase):
         """int32 [T, K'] (K rounded up to the provider's multiple): each token's top K slots by
         its index score (ties to the lower position), then -1. With an FP8 indexer cache q is
         quantized per head as the keys are, its scale folded into w. The logits of every token at
-        every position of its block-table row come from the Triton kernel or the reference (one
-        key gather per ``plan.index_rows`` entry); the pick and the position-to-slot map are
-        shared."""
+        every position of its block-table row and their pick come from the Triton kernels or the
+        references (one key gather per ``plan.index_rows`` entry, a stable sort); the
+        position-to-slot map is shared."""
         if index_cache.dtype == paddle.uint8:
             q, q_scale = quantize_pow2_e4m3(q)
             w = w * q_scale
@@ -170,9 +171,11 @@ class DSAAttentionBackend(MLABackendBase):
         width = table.shape[1] * bs
         if self.kernels.triton:
             logits = index_logits_triton(q, w, index_cache, table, krow, ends, width)
+            picked = index_topk_triton(logits, ends, self.index_topk)
         else:
             logits = index_logits_ref(q, w, index_cache, plan.index_rows, width)
-        picked = index_topk(logits, ends, self.index_topk).astype("int64")  # positions, -1 past the pick
+            picked = index_topk(logits, ends, self.index_topk)
+        picked = picked.astype("int64")  # positions, -1 past the pick
         at = picked.clip(min=0)
         blk = paddle.take_along_axis(table.astype("int64")[krow], at // bs, 1)
         sel = paddle.where(picked >= 0, blk * bs + at % bs, picked).astype("int32")

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import paddle
 
-from fastdeploy.model_executor.ops.triton_ops.lightning_indexer_kernel import launch_index_logits
+from fastdeploy.model_executor.ops.triton_ops.lightning_indexer_kernel import launch_index_logits, launch_index_topk
 from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache import _e4m3_table
 
 SCALE_BYTES = 4  # one float32 scale a key in an FP8 page
@@ -189,4 +189,11 @@ def index_logits_triton(
         cache.shape[1],
         cache.dtype == paddle.uint8,
     )
+    return out
+
+
+def index_topk_triton(scores: paddle.Tensor, ends: paddle.Tensor, topk: int) -> paddle.Tensor:
+    """The Triton kernel of ``index_topk``: the same ids (ties to the lower id), then -1."""
+    out = paddle.empty([scores.shape[0], topk], "int32")
+    launch_index_topk(scores.astype("float32").contiguous(), ends.astype("int64").contiguous(), out)
     return out

@@ -1,5 +1,5 @@
-"""Triton kernel of DeepSeek-V3.2's index logits over a paged indexer cache (contract in
-``lightning_indexer.py``); paddle-free.
+"""Triton kernels of DeepSeek-V3.2's lightning indexer (contracts in ``lightning_indexer.py``):
+the index logits over a paged indexer cache and the per-row top-k; paddle-free.
 
 One program scores one query row against BLOCK_N consecutive key positions of its request's
 block-table row (prefill rows and decode rows alike: a query sees positions 0..end-1 of its own
@@ -106,3 +106,41 @@ def launch_index_logits(
         FP8=fp8,
         DOT_DTYPE=tl.float8e4nv if dot_fp8 else tl.float32,
     )
+
+
+@triton.jit
+def _sort_key(score, j):
+    """(score float32, position j) -> int64 keys whose descending order is score descending, then
+    position ascending: the float's bits made monotone as a signed int (negative floats have
+    their magnitude bits flipped) in the high word, 2^31 - 1 - j in the low word."""
+    bits = score.to(tl.int32, bitcast=True)
+    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (mono.to(tl.int64) << 32) + (0x7FFFFFFF - j).to(tl.int64)
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, ends_ptr, out_ptr, stride_l, stride_o, K_OUT, K: tl.constexpr):
+    """One program a row: a running top K (K a power of two >= k) over tiles of K positions, each
+    tile merged by one sort of the 2K keys of the champions and the tile; then the k best
+    positions in order, -1 past min(k, end)."""
+    t = tl.program_id(0).to(tl.int64)
+    end = tl.load(ends_ptr + t)
+    best = tl.full([K], -(2**63), tl.int64)
+    r = tl.arange(0, K)
+    for start in range(0, end, K):
+        j = start + r
+        s = tl.load(logits_ptr + t * stride_l + j, mask=j < end, other=float("-inf"))
+        both = tl.sort(tl.reshape(tl.join(best, _sort_key(s, j)), [2 * K]), descending=True)
+        best = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, tl.reshape(both, [2, K]), 0), 0)
+    pos = (0x7FFFFFFF - (best & 0xFFFFFFFF)).to(tl.int32)
+    pos = tl.where(r < tl.minimum(end, K_OUT), pos, -1)
+    tl.store(out_ptr + t * stride_o + r, pos, mask=r < K_OUT)
+
+
+def launch_index_topk(logits, ends, out) -> None:
+    """logits float32 [T, L] (-inf past each row's end), ends int [T], out int32 [T, k]."""
+    T, k = int(out.shape[0]), int(out.shape[1])
+    if T == 0:
+        return
+    K = max(16, triton.next_power_of_2(k))
+    launch(_topk_kernel, (T,), logits, ends, out, stride(logits, 0), stride(out, 0), k, K=K)
