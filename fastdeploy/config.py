@@ -483,11 +483,14 @@ class KernelConfig:
     mla_prefill_form: how prefill tokens attend (docs/design.md §4.7): ``mha`` (keys decompressed
     through W_UK / W_UV), ``absorbed`` (MQA over the latent, as decodes), or ``auto``: per request
     by the cost model in ``layers/attention/prefill_form.py``.
+    index_triton: DSA layers' index logits and top-k as Triton kernels (with ``triton``); off by
+    default until an H200 run has timed them (docs/design.md §4.17), so the pick runs as paddle ops.
     The default is the CPU reference path."""
 
     triton: bool = False
     sparse_mla_provider: str = "reference"
     mla_prefill_form: str = "auto"
+    index_triton: bool = False
 
     def __post_init__(self) -> None:
         if self.sparse_mla_provider not in SPARSE_MLA_PROVIDERS:
@@ -496,6 +499,10 @@ class KernelConfig:
             )
         if self.mla_prefill_form not in MLA_PREFILL_FORMS:
             raise ValueError(f"mla_prefill_form must be one of {MLA_PREFILL_FORMS}, got {self.mla_prefill_form!r}")
+        if self.index_triton and not self.triton:
+            raise ValueError(
+                "index_kernel_backend 'triton' needs the Triton kernels (kernel_backend triton, or auto on GPU)"
+            )
 
 
 @dataclass

@@ -29,7 +29,7 @@ from fastdeploy.config import (
     resolve_dtype,
     resolve_quantization,
 )
-from fastdeploy.model_executor.kernel_select import KERNEL_BACKENDS, select_kernels
+from fastdeploy.model_executor.kernel_select import INDEX_KERNEL_BACKENDS, KERNEL_BACKENDS, select_kernels
 from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode
 from fastdeploy.tools.tiny_checkpoint import TINY_PRESET, resolve_model
 from fastdeploy.worker.kv_sizing import on_gpu
@@ -103,6 +103,12 @@ class EngineArgs:
         "measured rates (an H200's for flashmla / triton, a 2-core CPU's for reference)",
         MLA_PREFILL_FORMS,
     )
+    index_kernel_backend: str = setting(
+        "reference",
+        "DSA (DeepSeek-V3.2) layers' index logits and top-k: reference (paddle ops) or triton (the Triton kernels, "
+        "with kernel_backend triton or auto on GPU); reference until an H200 run has timed the kernels",
+        INDEX_KERNEL_BACKENDS,
+    )
     speculative_config: str | None = setting(
         None,
         'speculative decoding, a JSON object: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens a '
@@ -113,7 +119,9 @@ class EngineArgs:
     def create_config(self) -> FDConfig:
         """Every config, built by keyword; a ValueError names the bad setting."""
         model_config = ModelConfig.from_pretrained(resolve_model(self.model))
-        kernels = select_kernels(self.kernel_backend, self.sparse_mla_provider, self.mla_prefill_form)
+        kernels = select_kernels(
+            self.kernel_backend, self.sparse_mla_provider, self.mla_prefill_form, self.index_kernel_backend
+        )
         model_config.quantization = resolve_quantization(self.quantization, model_config, kernels.triton)
         model_config.dtype = resolve_dtype(self.dtype, on_gpu())
         return FDConfig(

@@ -14,6 +14,8 @@ the interpreter, with float32 dots).
   through it.
 - mla_prefill_form: ``auto`` (the cost model of ``layers/attention/prefill_form.py``), ``mha`` or
   ``absorbed``.
+- index_kernel_backend: DSA layers' index logits and top-k, ``reference`` (paddle ops; the
+  default until an H200 run times the kernels) or ``triton`` (with the Triton kernels).
 """
 
 from __future__ import annotations
@@ -47,8 +49,14 @@ def _check_provider(name: str) -> None:
         raise ValueError("sparse_mla_provider: 'triton' needs a CUDA build of paddle or TRITON_INTERPRET=1")
 
 
+INDEX_KERNEL_BACKENDS = ("reference", "triton")
+
+
 def select_kernels(
-    kernel_backend: str = "auto", sparse_mla_provider: str = "auto", mla_prefill_form: str = "auto"
+    kernel_backend: str = "auto",
+    sparse_mla_provider: str = "auto",
+    mla_prefill_form: str = "auto",
+    index_kernel_backend: str = "reference",
 ) -> KernelConfig:
     """Resolve the settings into a KernelConfig and log it; a ValueError names a bad setting."""
     gpu = can_run_triton() and not interpret_mode()
@@ -64,7 +72,16 @@ def select_kernels(
         provider = sparse_mla_provider
     if mla_prefill_form not in MLA_PREFILL_FORMS:
         raise ValueError(f"mla_prefill_form: unknown form {mla_prefill_form!r}; choose one of {MLA_PREFILL_FORMS}")
-    kernels = KernelConfig(triton=triton, sparse_mla_provider=provider, mla_prefill_form=mla_prefill_form)
+    if index_kernel_backend not in INDEX_KERNEL_BACKENDS:
+        raise ValueError(
+            f"index_kernel_backend: unknown backend {index_kernel_backend!r}; choose one of {INDEX_KERNEL_BACKENDS}"
+        )
+    kernels = KernelConfig(
+        triton=triton,
+        sparse_mla_provider=provider,
+        mla_prefill_form=mla_prefill_form,
+        index_triton=index_kernel_backend == "triton",
+    )
     logger.info(
         "kernels: %s for the window indexer, the FP8 cache, MLA prefill and full layers; sparse MLA attention "
         "provider: %s; prefill form: %s",

@@ -133,6 +133,12 @@ def test_kernel_selection_by_argument(monkeypatch, caplog):
     assert select_kernels("triton", "reference") == KernelConfig(triton=True, sparse_mla_provider="reference")
     with pytest.raises(ValueError, match="kernel_backend: unknown backend 'cuda'"):
         select_kernels("cuda")
+    assert select_kernels("triton", index_kernel_backend="triton").index_triton  # DSA's indexer kernels: opt-in
+    assert not select_kernels("triton").index_triton
+    with pytest.raises(ValueError, match="index_kernel_backend 'triton' needs the Triton kernels"):
+        select_kernels("reference", index_kernel_backend="triton")
+    with pytest.raises(ValueError, match="index_kernel_backend: unknown backend 'cuda'"):
+        select_kernels(index_kernel_backend="cuda")
     with pytest.raises(ValueError, match="sparse_mla_provider must be one of"):
         KernelConfig(sparse_mla_provider="auto")
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -89,7 +89,7 @@ def test_triton_path_equals_the_reference_path(kv, v32_dir, rng):
     across index_topk, a mixed step, then decodes past 4 x index_topk. Each step's output within
     the sparse MLA kernel's bf16 rounding (a query whose pick flips on a float32 near-tie in its
     scores may move more: bounded by the 90th percentile)."""
-    kernels = KernelConfig(triton=True, sparse_mla_provider="triton", mla_prefill_form="absorbed")
+    kernels = KernelConfig(triton=True, sparse_mla_provider="triton", mla_prefill_form="absorbed", index_triton=True)
     seed = int(rng.integers(1 << 16))
     ours, ref = (Harness(v32_dir, block_size=BS, kv_cache_dtype=kv, kernels=k, seed=seed) for k in (kernels, None))
     steps = [([("a", 19)], set()), ([("a", 2 * TOPK), ("b", TOPK + 2)], set())]

@@ -119,7 +119,7 @@ class DSAAttentionBackend(MLABackendBase):
         plan = StepPlan(groups, provider)
         if any(g.form != "mha" for g in groups):
             if self.index_topk:  # the reference's key gathers (the Triton kernel reads the tables)
-                plan.index_rows = None if self.kernels.triton else index_rows(meta, FULL_GROUP)
+                plan.index_rows = None if self.kernels.index_triton else index_rows(meta, FULL_GROUP)
             else:
                 topk = round_up(self.sliding_window, provider.step_topk_multiple)
                 plan.indices = window_indices(meta, SWA_GROUP, None, self.sliding_window, topk, self.kernels.triton)
@@ -169,7 +169,7 @@ class DSAAttentionBackend(MLABackendBase):
         table, bs = meta.block_tables[FULL_GROUP], meta.block_size
         krow, ends = meta.batch_id_per_token, meta.positions.astype("int64") + 1
         width = table.shape[1] * bs
-        if self.kernels.triton:
+        if self.kernels.index_triton:
             logits = index_logits_triton(q, w, index_cache, table, krow, ends, width)
             picked = index_topk_triton(logits, ends, self.index_topk)
         else:
