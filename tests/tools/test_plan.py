@@ -74,3 +74,27 @@ def test_planner_counts_dsa_layers_as_the_runner_allocates(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert f"KV bytes per token: full {61 * (656 + 132)}" in out
+
+
+def test_data_parallel_attention_with_expert_parallel_plan(tiny_model_dir, capsys):
+    """--data-parallel-size D: each rank holds the whole attention and dense parts (TP 1 inside a
+    group here) and 1/D of the routed experts, counted from a real TP-1 model's parameters; the
+    deployment holds D ranks' requests; an expert count that does not divide is named."""
+    import pytest
+
+    fd = LLM(model=tiny_model_dir, block_size=16, max_model_len=256).engine.runner.fd
+    model = DeepseekV3ForCausalLM(dataclasses.replace(fd, kernel_config=KernelConfig()), TPGroup())
+    routed = sum(nbytes(p) for n, p in model.named_parameters() if planner.ROUTED.search(n))
+    total = sum(nbytes(p) for p in model.parameters())
+    assert 0 < routed < total
+    one, two = (planner.plan(fd, "float32", 2**30, data_parallel_size=d, context_len=64) for d in (1, 2))
+    assert one["weights_held_bytes"] == total and two["weights_held_bytes"] == total - routed // 2
+    full = two["kv_tokens_held"]["full"]
+    assert two["requests_at_context_held"] == 2 * min(full // 64, fd.scheduler_config.max_num_seqs)
+    experts = fd.model_config.n_routed_experts
+    with pytest.raises(ValueError, match=f"'n_routed_experts'={experts} does not divide over 3 expert-parallel"):
+        planner.plan(fd, "float32", 2**30, data_parallel_size=3)
+    path = f"{tiny_model_dir}/../plan_dp.json"
+    json.dump(json.load(open(f"{tiny_model_dir}/config.json")), open(path, "w"))
+    planner.main(["--config", path, "--data-parallel-size", "2", "--gpu-memory-gib", "1", "--dtype", "float32"])
+    assert "data_parallel_size 2 x tensor_parallel_size 1 (experts over 2 ranks)" in capsys.readouterr().out
