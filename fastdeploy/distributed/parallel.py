@@ -130,6 +130,35 @@ class TPGroup:
             dist.all_gather(parts, x.contiguous(), group=self.group)
         return paddle.concat(parts, axis=-1)
 
+    def all_gather_rows(self, x: paddle.Tensor) -> paddle.Tensor:
+        """Concatenate every rank's x (the same shape on each) along the first axis, in rank order."""
+        if self.world_size == 1:
+            return x
+        import paddle.distributed as dist
+
+        parts: list[paddle.Tensor] = []
+        with self.activity.collective():
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+        return paddle.concat(parts, axis=0)
+
+    def reduce_scatter_rows(self, x: paddle.Tensor) -> paddle.Tensor:
+        """This rank's 1 / world_size of the rows of the sum over ranks of x [world_size * n, ...]:
+        NCCL's reduce-scatter; gloo has none, so there an all-reduce and this rank's slice (the
+        same result, world_size times the bytes)."""
+        if self.world_size == 1:
+            return x
+        import paddle.distributed as dist
+
+        n = x.shape[0] // self.world_size
+        if paddle.is_compiled_with_cuda():
+            out = paddle.empty([n, *x.shape[1:]], x.dtype)
+            with self.activity.collective():
+                dist.reduce_scatter(out, list(x.split(self.world_size)), group=self.group)
+            return out
+        with self.activity.collective():
+            dist.all_reduce(x, group=self.group)
+        return x[self.rank * n : (self.rank + 1) * n]
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """The driver's obj on every rank (pickled through two broadcasts: length, then bytes)."""
         if self.world_size == 1:

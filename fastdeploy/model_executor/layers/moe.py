@@ -8,7 +8,10 @@ The checkpoint's per-expert tensors load into their slice (``checkpoint_target``
 
 Tensor parallel (docs/design.md §4.9): a dense MLP splits its intermediate features; the MoE
 block gives each rank n_routed_experts / N whole experts, which it runs for all tokens, splits the
-shared experts like a dense MLP, and all-reduces routed and shared parts once."""
+shared experts like a dense MLP, and all-reduces routed and shared parts once. Expert parallel
+(``dispatch``, ``layers/moe_dispatch.py``): each rank holds its own tokens (attention
+data-parallel) and n_routed_experts / EP whole experts; the tokens are gathered for the local
+experts and the sums come back to their rank; the shared experts run whole on every rank."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from paddle import nn
 from fastdeploy.config import ModelConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.model_executor.layers.linear import ColumnParallelLinear, FP8Linear, RowParallelLinear
+from fastdeploy.model_executor.layers.moe_dispatch import AllGatherDispatch
 from fastdeploy.model_executor.ops.fp8_numerics import FP8_BLOCK
 from fastdeploy.model_executor.ops.triton_ops.fused_moe import fused_moe, fused_moe_ref
 from fastdeploy.model_executor.ops.triton_ops.moe_route_kernel import launch_moe_route
@@ -104,13 +108,25 @@ STACKED = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 class DeepseekV3MoE(nn.Layer):
+    """``dispatch``: expert parallel over its group (``tp`` must then be a single rank: tensor
+    parallelism inside a data-parallel group is not built yet)."""
+
     def __init__(
-        self, cfg: ModelConfig, tp: TPGroup, dtype: str, fp8: FP8Linear | None = None, triton: bool = False
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        dtype: str,
+        fp8: FP8Linear | None = None,
+        triton: bool = False,
+        dispatch: AllGatherDispatch | None = None,
     ) -> None:
         super().__init__()
-        self.tp = tp
+        if dispatch is not None and tp.world_size > 1:
+            raise ValueError("expert parallelism with tensor parallelism inside a data-parallel group is not supported")
+        self.tp, self.dispatch = tp, dispatch
         self.gate = MoEGate(cfg, dtype, triton)
-        self.expert_range = tp.shard(cfg.n_routed_experts, "n_routed_experts")
+        experts = dispatch.group if dispatch is not None else tp
+        self.expert_range = experts.shard(cfg.n_routed_experts, "n_routed_experts")
         E = self.expert_range[1] - self.expert_range[0]
         h, inter = cfg.hidden_size, cfg.moe_intermediate_size
         zero = nn.initializer.Constant(0)
@@ -145,7 +161,12 @@ class DeepseekV3MoE(nn.Layer):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         ids, w = self.gate(x)
         scales = [getattr(self, n + "_scale_inv") for n in ("w1", "w3", "w2")] if self.fp8 else []
-        out = self.routed(x, ids - self.expert_range[0], w, self.w1, self.w3, self.w2, *scales)
+        lo, weights = self.expert_range[0], (self.w1, self.w3, self.w2, *scales)
+        if self.dispatch is None:
+            out = self.routed(x, ids - lo, w, *weights)
+        else:  # every rank's tokens through the local experts, the sums back to their rank
+            d = self.dispatch.prepare(x, ids, w)
+            out = self.dispatch.finalize(self.routed(d.x, d.ids - lo, d.w, *weights), d)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).astype("float32")
         return self.tp.all_reduce(out).astype(x.dtype)
