@@ -110,7 +110,7 @@ def mask_cost(rows: int = 32, vocab: int = 129280, steps: int = 20, forward_ms: 
     t_mask = t_apply = t_serial = t_overlap = 0.0
     for _ in range(steps):
         t0 = time.perf_counter()
-        words = token_bitmask(matchers, vocab)
+        words = token_bitmask([(m, []) for m in matchers], vocab)
         t1 = time.perf_counter()
         out = apply_token_bitmask(logits, words, list(range(rows)), triton=False)
         float(out[0, 0])

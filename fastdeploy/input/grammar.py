@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 from fastdeploy.input.tokenizer import Tokenizer
 
@@ -157,15 +157,28 @@ def _grammar(kind: str, spec: str) -> str:
 _executor: llguidance.LLExecutor | None = None
 
 
-def token_bitmask(matchers: list[llguidance.LLMatcher], vocab_size: int) -> np.ndarray:
-    """int32 [len(matchers), ceil(vocab_size / 32)]: bit t % 32 of word t // 32 set when the
-    matcher accepts token t next (a stopped or failed matcher accepts only EOS, as llguidance's
-    mask says). Computed in parallel by llguidance's thread pool, which releases the GIL (32
-    JSON-schema rows at 129,280 tokens: 3.4 ms on 2 cores, 5.1 one by one;
-    benchmarks/bench_structured.py)."""
+def token_bitmask(matchers: list[tuple[llguidance.LLMatcher, list[int]]], vocab_size: int) -> np.ndarray:
+    """int32 [sum(len(drafts) + 1), ceil(vocab_size / 32)]: for each (matcher, drafts) in order,
+    len(drafts) + 1 consecutive rows, row j the tokens the matcher accepts after drafts[:j] (bit
+    t % 32 of word t // 32 set when it accepts token t). A row after a draft the grammar refuses
+    is all zero (no sampler reaches it: that draft is never accepted); a stopped or failed matcher
+    accepts only EOS, as llguidance's mask says. The matchers end in the state they began
+    (llguidance consumes the drafts and rolls them back). Computed in parallel by llguidance's
+    thread pool, which releases the GIL (32 JSON-schema rows at 129,280 tokens: 3.4 ms on 2 cores,
+    5.1 one by one; benchmarks/bench_structured.py)."""
     global _executor
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    bits = np.zeros((len(matchers), (vocab_size + 31) // 32), np.int32)
-    fill_next_token_bitmask_par(_executor, [(m, i) for i, m in enumerate(matchers)], bits)
+    plain, drafted, at = [], [], 0  # llguidance takes matchers without drafts in its other call
+    for m, drafts in matchers:
+        if drafts:
+            drafted.append((m, at, list(drafts)))
+        else:
+            plain.append((m, at))
+        at += len(drafts) + 1
+    bits = np.zeros((at, (vocab_size + 31) // 32), np.int32)
+    if plain:
+        fill_next_token_bitmask_par(_executor, plain, bits)
+    if drafted:
+        fill_next_token_bitmask_par_with_draft_tokens(_executor, drafted, bits)
     return bits

@@ -162,11 +162,12 @@ class GPUModelRunner:
             reqs = [scheduled[i][0] for i in step.samples_at]
             rows = [len(r) for r in step.sample_rows]
             first = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64) if rows else []
-            masked = [i for i, r in enumerate(reqs) if r.constrained]  # never drafts: one row each
+            drafts = [r.draft_token_ids[: n - 1] for r, n in zip(reqs, rows, strict=True)]
+            masked = [i for i, r in enumerate(reqs) if r.constrained]  # a mask a row, after each draft
             masks = None  # computed by llguidance's threads while this thread runs the forward
             if masked:
                 vocab = self.fd.model_config.vocab_size
-                masks = self.mask_pool.submit(token_bitmask, [reqs[i].matcher for i in masked], vocab)
+                masks = self.mask_pool.submit(token_bitmask, [(reqs[i].matcher, drafts[i]) for i in masked], vocab)
             try:
                 logits, prompt = self.run_step(step)
             finally:
@@ -177,10 +178,8 @@ class GPUModelRunner:
             if logits is None:
                 return results
             if words is not None:
-                logits = apply_token_bitmask(
-                    logits, words, [int(first[i]) for i in masked], self.fd.kernel_config.triton
-                )
-            drafts = [r.draft_token_ids[: n - 1] for r, n in zip(reqs, rows, strict=True)]
+                at = [int(first[i]) + j for i in masked for j in range(rows[i])]
+                logits = apply_token_bitmask(logits, words, at, self.fd.kernel_config.triton)
             for i, r in zip(step.samples_at, verify_drafts(self.sampler, logits, reqs, first, drafts), strict=True):
                 results[i] = r
             if self.spec is not None:

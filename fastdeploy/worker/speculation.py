@@ -75,8 +75,10 @@ class MTPProposer:
         """The driver, after the latest step: the draft message every rank runs, and the
         requests that draft. A request drafts from the row of its last accepted token, as deep
         as ``k``, its room (max_tokens, max_model_len) and its blocks (``covered``: the tokens
-        its tables hold) allow; never under a structured-output grammar (its tokens are masked
-        one by one)."""
+        its tables hold) allow. Under a structured-output grammar the verify step masks each row
+        with the grammar's state after the drafts before it (``token_bitmask``), so a draft the
+        grammar refuses is rejected; not while a grammar waits for its start token (the rows
+        after that token would need a mask the step cannot know)."""
         step = self.last_step[0]
         next_ids = [0] * len(step.input_ids)
         rows, batch, pos, depth, drafting = [], [], [], [], []
@@ -87,7 +89,7 @@ class MTPProposer:
             for i in range(n):  # the token after each row's position, where known
                 if start + i + 1 < len(seq):
                     next_ids[row + i] = seq[start + i + 1]
-            if isinstance(res, list) and req.matcher is None:
+            if isinstance(res, list) and (req.matcher is None or req.constrained):
                 p = len(seq) - 2  # the last accepted token's position
                 d = min(self.k, req.draft_room(self.max_model_len, len(res)), covered(req) - p)
                 if d > 0:

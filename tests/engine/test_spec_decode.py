@@ -260,3 +260,43 @@ def test_metrics_and_the_interval_log_line(mtp_model_dir, rng, caplog):
     want = f"mean accepted length {1 + s.num_accepted_tokens / s.num_drafts:.2f}, {s.num_drafts} verify steps"
     assert want in caplog.text
     assert "spec_decode" not in EngineMetrics(engine(mtp_model_dir, 0)).render().decode()
+
+
+def test_structured_outputs_and_speculation_compose(mtp_model_dir, rng):
+    """Requests under a JSON Schema draft too: each verify row is masked by the grammar's state
+    after the drafts before it, so a draft the grammar refuses is rejected and the matcher rolls
+    back. Greedy tokens are those without speculation for k = 1 and 3, every answer that stops
+    validates, drafts were proposed and some accepted, and every block is free at the end."""
+    import json
+
+    import jsonschema
+
+    from fastdeploy.sampling_params import StructuredOutput
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n"]}
+    so = StructuredOutput("json", json.dumps(schema), "response_format.json_schema")
+    prompts = [[int(x) for x in rng.integers(4, 256, n)] for n in (9, 40, 70)]
+    outs = {}
+    for k in (0, 1, 3):
+        eng = engine(mtp_model_dir, k)
+        for i, p in enumerate(prompts):
+            free = SamplingParams(max_tokens=24, temperature=0.0)  # a free request in the same batch
+            eng.add_request(p, SamplingParams(max_tokens=48, temperature=0.0, structured=so), f"s{i}")
+            eng.add_request(p, free, f"f{i}")
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0]
+        outs[k] = {r: c.token_ids for r, c in done.items()}
+        for r, c in done.items():
+            if r.startswith("s") and c.finish_reason == "stop":
+                jsonschema.validate(json.loads(c.text), schema)
+        assert all(p.num_used == 0 for p in eng.block_manager.pools.values())
+    assert outs[1] == outs[0] and outs[3] == outs[0]
+    alone = engine(mtp_model_dir, 3)  # constrained requests alone: they drafted, and drafts were kept
+    for i, p in enumerate(prompts):
+        alone.add_request(p, SamplingParams(max_tokens=48, temperature=0.0, structured=so), f"s{i}")
+    while alone.has_unfinished_requests():
+        alone.step()
+    assert alone.spec.num_draft_tokens > 0 and alone.spec.num_accepted_tokens > 0

@@ -18,7 +18,7 @@ from fastdeploy.tools.tiny_checkpoint import resolve_model
 
 def allowed_tokens(matchers, vocab_size: int) -> np.ndarray:
     """bool [len(matchers), vocab_size]: the tokens each matcher accepts next."""
-    return unpack_bitmask(token_bitmask(matchers, vocab_size), vocab_size)
+    return unpack_bitmask(token_bitmask([(m, []) for m in matchers], vocab_size), vocab_size)
 
 
 SCHEMAS = [
@@ -246,6 +246,33 @@ def test_the_packed_mask_has_one_word_per_32_tokens(engine):
     for vocab in (512, 528):
         small = GrammarEngine(tok, vocab)
         m = small.matcher(small.compile("regex", "[a-z]+"))
-        bits = token_bitmask([m], vocab)
+        bits = token_bitmask([(m, [])], vocab)
         assert bits.shape == (1, -(-vocab // 32))
         assert unpack_bitmask(bits, vocab)[0].any()
+
+
+def test_masks_after_each_draft(engine, rng):
+    """token_bitmask with drafts (speculative decoding's verify step): row j of a matcher is the
+    mask after its first j drafts, the same as consuming them one by one on a fresh matcher; a
+    row after a draft the grammar refuses is empty; the matcher ends where it began."""
+    eng, _ = engine
+    vocab = eng.vocab_size
+    grammar = eng.compile("json", json.dumps(SCHEMAS[0]))
+    walk, drafts = eng.matcher(grammar), []
+    for _ in range(5):  # a valid path of 5 tokens, each drawn from the tokens allowed there
+        ok = np.flatnonzero(allowed_tokens([walk], vocab)[0])
+        drafts.append(int(rng.choice(ok)))
+        assert walk.consume_token(drafts[-1])
+    m, other = eng.matcher(grammar), eng.matcher(grammar)
+    before = allowed_tokens([m], vocab)
+    bad = int(np.flatnonzero(~allowed_tokens([eng.matcher(grammar)], vocab)[0])[0])  # refused at the start
+    got = unpack_bitmask(token_bitmask([(m, drafts), (other, [bad, drafts[0]])], vocab), vocab)
+    assert got.shape == (6 + 3, vocab)
+    ref = eng.matcher(grammar)
+    for j in range(6):
+        np.testing.assert_array_equal(got[j], allowed_tokens([ref], vocab)[0])
+        if j < 5:
+            assert ref.consume_token(drafts[j])
+    np.testing.assert_array_equal(got[6], before[0])
+    assert not got[7].any() and not got[8].any()
+    np.testing.assert_array_equal(allowed_tokens([m], vocab), before)  # rolled back
