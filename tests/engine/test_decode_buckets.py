@@ -235,7 +235,7 @@ def test_the_guard_refuses_data_dependent_shapes():
         (True, "reference", "auto", "tiny_model_dir"),
         (True, "flashmla", "bf16", "tiny_model_dir"),  # FlashMLA's dense decode over a bf16 latent cache
         (True, "flashmla", "fp8", "tiny_model_dir"),
-        (True, "triton", "fp8", "dsa_model_dir"),  # DSA layers: the indexer's pick inside the captured step
+        (True, "triton", "fp8", "dsa_model_dir"),  # DSA layers: the indexer's kernels inside the captured step
         (True, "reference", "auto", "dsa_model_dir"),
     ],
     ids=[
@@ -255,7 +255,8 @@ def test_decode_steps_never_sync_the_host(request, rng, monkeypatch, capture, pr
     raising. Captured: the whole captured step (inputs out of the step buffer, the step's
     ForwardMeta and plans, the model, the LM head) runs with host copies and uploads raising, for
     each sparse MLA provider (FlashMLA: its stand-in) and both full-layer cache formats, and for a
-    model with DSA layers (the indexer's key write, scores and pick on the device)."""
+    model with DSA layers (the indexer's key write, scores and pick on the device: its Triton
+    kernels, and its paddle ops)."""
     import sys
 
     from fake_flash_mla import fake_flash_mla
@@ -272,6 +273,7 @@ def test_decode_steps_never_sync_the_host(request, rng, monkeypatch, capture, pr
         kv_cache_dtype=kv_cache_dtype,
         cuda_graph_batch_sizes="4",
         cuda_graph_capture=capture,
+        index_kernel_backend="triton" if model == "dsa_model_dir" and provider == "triton" else "reference",
     ).engine
     model, graphs = eng.runner.model, eng.runner.graphs
     guarded = {"forward": 0, "sample": 0}

@@ -180,3 +180,25 @@ def test_topk_kernel_equals_the_reference_pick(rng):
     want = index_topk(paddle.to_tensor(s), paddle.to_tensor(ends), k).numpy()
     np.testing.assert_array_equal(got, want)
     assert (got[0, 1:] == -1).all() and (got[2] >= 0).all()
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8_cache", "float_cache"])
+def test_index_key_write_kernel_equals_the_reference(fp8, rng):
+    """The Triton key write against the paddle one into two caches poisoned alike: keys over six
+    decades, an all-zero key (amax floored at 1e-4), one with values at e4m3's top, a slot -1 (the
+    null block's last slot): byte for byte the same cache."""
+    from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import write_index_keys_ref, write_index_keys_triton
+
+    N, BS, D, T = 5, 16, 128, 11
+    k = (rng.standard_normal((T, D)) * 10.0 ** rng.uniform(-3, 3, (T, 1))).astype(np.float32)
+    k[2] = 0
+    k[4, :2] = [448.0, -447.0]
+    slots = rng.choice((N - 1) * BS, T, replace=False).astype(np.int32)
+    slots[7] = -1
+    shape, dtype = ([N, BS, 1, D + 4], "uint8") if fp8 else ([N, BS, 1, D], "float32")
+    fill = 0xFF if fp8 else float("nan")
+    ours, ref = paddle.full(shape, fill, dtype), paddle.full(shape, fill, dtype)
+    write_index_keys_triton(paddle.to_tensor(k), paddle.to_tensor(slots), ours)
+    write_index_keys_ref(paddle.to_tensor(k), paddle.to_tensor(slots), ref)
+    np.testing.assert_array_equal(ours.numpy(), ref.numpy())
+    assert not (ref.numpy() == (0xFF if fp8 else ref.numpy())).all()  # something was written

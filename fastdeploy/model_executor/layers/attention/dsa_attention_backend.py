@@ -50,6 +50,7 @@ from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import (
     index_topk_triton,
     quantize_pow2_e4m3,
     write_index_keys_ref,
+    write_index_keys_triton,
 )
 
 
@@ -147,7 +148,8 @@ class DSAAttentionBackend(MLABackendBase):
         """A DSA layer: store its indexer keys index_k [T, D], pick each token's top K slots from
         index_q [T, Hi, D] and the head weights index_w [T, Hi] (rope applied, float32), then attend
         as ``forward`` does over those slots."""
-        write_index_keys_ref(index_k, meta.slot_mapping[FULL_GROUP], cache.index)
+        write = write_index_keys_triton if self.kernels.index_triton else write_index_keys_ref
+        write(index_k, meta.slot_mapping[FULL_GROUP], cache.index)
         plan = meta.attn[self.kind]
         selection = None
         if any(g.form != "mha" for g in plan.groups):

@@ -29,7 +29,11 @@ from typing import Protocol
 
 import paddle
 
-from fastdeploy.model_executor.ops.triton_ops.lightning_indexer_kernel import launch_index_logits, launch_index_topk
+from fastdeploy.model_executor.ops.triton_ops.lightning_indexer_kernel import (
+    launch_index_key_write,
+    launch_index_logits,
+    launch_index_topk,
+)
 
 SCALE_BYTES = 4  # one float32 scale a key in an FP8 page
 E4M3_MAX = 448.0
@@ -115,6 +119,14 @@ def write_index_keys_ref(k: paddle.Tensor, slots: paddle.Tensor, cache: paddle.T
     flat = cache.reshape([-1])
     flat[codes.flatten()] = values.astype("float8_e4m3fn").view("uint8").flatten()  # exact: already e4m3
     flat[scales.flatten()] = scale.astype("float32").contiguous().view("uint8").flatten()
+
+
+def write_index_keys_triton(k: paddle.Tensor, slots: paddle.Tensor, cache: paddle.Tensor) -> None:
+    """The Triton kernel of ``write_index_keys_ref``: the same bytes (codes and scales, or values)."""
+    fp8 = cache.dtype == paddle.uint8
+    launch_index_key_write(
+        k.astype("float32").contiguous(), slots.astype("int32").contiguous(), cache, cache.shape[1], fp8
+    )
 
 
 def read_index_keys_ref(cache: paddle.Tensor, slots: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor | None]:

@@ -1,5 +1,6 @@
 """Triton kernels of DeepSeek-V3.2's lightning indexer (contracts in ``lightning_indexer.py``):
-the index logits over a paged indexer cache and the per-row top-k; paddle-free.
+the index-key write into the paged cache, the index logits over it and the per-row top-k;
+paddle-free.
 
 One program scores one query row against BLOCK_N consecutive key positions of its request's
 block-table row (prefill rows and decode rows alike: a query sees positions 0..end-1 of its own
@@ -18,6 +19,54 @@ import triton
 import triton.language as tl
 
 from fastdeploy.model_executor.ops.triton_ops.launcher import launch, stride
+from fastdeploy.model_executor.ops.triton_ops.mla_fp8_cache_kernel import _e4m3_byte, _pow2_ceil
+
+
+@triton.jit
+def _index_key_write_kernel(
+    k_ptr,
+    slot_ptr,
+    cache_ptr,
+    T,
+    n_slots,
+    stride_k,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """BLOCK_T keys a program. FP8: scale = 2^ceil(log2(max(amax, 1e-4) / 448)) (DeepSeek's
+    act_quant with power-of-two scales), codes e4m3(k / scale) (nearest, ties to even) into the
+    block's page, the scale after the page's codes; else the values as the cache's dtype. A slot
+    < 0 writes the last slot (the null block's)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = t < T
+    slot = tl.load(slot_ptr + t, mask=ok, other=0).to(tl.int64)
+    slot = tl.where(slot >= 0, slot, n_slots - 1)
+    d = tl.arange(0, D)
+    x = tl.load(k_ptr + t[:, None].to(tl.int64) * stride_k + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    if FP8:
+        scale = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0)
+        q = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+        page = cache_ptr + (slot // BS) * (BS * (D + 4))
+        off = slot % BS
+        tl.store(page[:, None] + off[:, None] * D + d[None, :], _e4m3_byte(q), mask=ok[:, None])
+        tl.store((page + BS * D + off * 4).to(tl.pointer_type(tl.float32)), scale, mask=ok)
+    else:
+        dst = cache_ptr + slot[:, None] * D + d[None, :]
+        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+def launch_index_key_write(k, slots, cache, block_size: int, fp8: bool, block_t: int = 8) -> None:
+    """k float [T, D], slots int32 [T], cache uint8 [blocks, bs, 1, D + 4] (``fp8``) or float
+    [blocks, bs, 1, D]."""
+    T, D = int(k.shape[0]), int(k.shape[1])
+    if T == 0:
+        return
+    n_slots = int(cache.shape[0]) * int(cache.shape[1])
+    grid = (triton.cdiv(T, block_t),)
+    launch(_index_key_write_kernel, grid, k, slots, cache, T, n_slots, stride(k, 0), D=D, BS=block_size,
+           BLOCK_T=block_t, FP8=fp8)  # fmt: skip
 
 
 @triton.jit
