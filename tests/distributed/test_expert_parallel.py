@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from ref import moe_route_ref
 
 from fastdeploy.distributed.parallel import _free_port, rank_env
@@ -110,3 +111,26 @@ def test_three_ranks_of_experts_give_each_rank_its_tokens_moe(tmp_path, rng):
         for call in range(2):
             want = moe_f64(xs[f"r{r}"][call].astype(np.float64), w64)
             np.testing.assert_allclose(got[call], want, rtol=1e-4, atol=1e-5 * max(1.0, np.abs(want).max(initial=0)))
+
+
+def test_one_rank_dispatch_is_the_plain_moe(rng):
+    """In one process (an EP group of one rank): the MoE through prepare / finalize equals the MoE
+    without them on the same weights, and a rank with no tokens gets a [0, hidden] result."""
+    import paddle
+
+    from fastdeploy.config import ModelConfig
+    from fastdeploy.distributed.parallel import TPGroup
+    from fastdeploy.model_executor.layers.moe import DeepseekV3MoE
+    from fastdeploy.model_executor.layers.moe_dispatch import AllGatherDispatch
+
+    cfg = ModelConfig.from_dict(CFG)
+    plain = DeepseekV3MoE(cfg, TPGroup(), "float32")
+    ep = DeepseekV3MoE(cfg, TPGroup(), "float32", dispatch=AllGatherDispatch(TPGroup()))
+    for (_, p), (_, q) in zip(plain.named_parameters(), ep.named_parameters(), strict=True):
+        p.set_value(paddle.to_tensor(rng.standard_normal(p.shape).astype(np.float32) * 0.2))
+        q.set_value(p)
+    x = paddle.to_tensor(rng.standard_normal((5, CFG["hidden_size"])).astype(np.float32))
+    np.testing.assert_allclose(ep(x).numpy(), plain(x).numpy(), rtol=1e-6, atol=1e-6)
+    assert ep(x[:0]).shape == [0, CFG["hidden_size"]]
+    with pytest.raises(ValueError, match="tensor parallelism inside a data-parallel group"):
+        DeepseekV3MoE(cfg, TPGroup(rank=0, world_size=2), "float32", dispatch=AllGatherDispatch(TPGroup()))
