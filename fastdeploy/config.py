@@ -106,12 +106,14 @@ class ModelConfig:
             "index_flags",
         }
         _refuse_unsupported(raw)
+        raw = _rope_from_parameters(raw)
         cfg = cls(**{k: v for k, v in raw.items() if k in names})
         cfg.checkpoint_quant = _checkpoint_quant(raw.get("quantization_config"))
         if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
             raise ValueError(f"config key 'q_lora_rank' must be null or positive, got {cfg.q_lora_rank!r}")
         _resolve_swa(cfg, raw)
         _resolve_indexed(cfg, raw)
+        _check_mlp_layer_types(cfg, raw.get("mlp_layer_types"))
         return cfg
 
     @property
@@ -160,6 +162,50 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
         raise ValueError("config key 'tie_word_embeddings'=true: an LM head tied to the embedding is not supported")
     if not isinstance(raw.get("rope_interleave", True), bool):
         raise ValueError(f"config key 'rope_interleave' must be true or false, got {raw['rope_interleave']!r}")
+    if raw.get("mlp_bias"):
+        raise ValueError("config key 'mlp_bias'=true: MLPs with biases are not supported")
+
+
+def _rope_from_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """Transformers 5 writes the rotary settings as ``rope_parameters`` (``rope_type``,
+    ``rope_theta`` and YaRN's keys): read as ``rope_theta`` / ``rope_scaling``. Beside an older
+    ``rope_theta`` or ``rope_scaling`` that says otherwise, refused by name."""
+    rp = raw.get("rope_parameters")
+    if rp is None:
+        return raw
+    if not isinstance(rp, dict):
+        raise ValueError(f"config key 'rope_parameters' must be an object, got {rp!r}")
+    theta = rp.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    scaling = None if kind == "default" else {**{k: v for k, v in rp.items() if k != "rope_theta"}, "type": kind}
+    old_theta, old = raw.get("rope_theta"), raw.get("rope_scaling")
+    same = old is None or (
+        scaling is not None
+        and old.get("type", old.get("rope_type")) == kind
+        and all(old.get(k) == scaling.get(k) for k in ("factor", "mscale", "mscale_all_dim", "attention_factor"))
+    )
+    if (old_theta is not None and old_theta != theta) or not same:
+        raise ValueError(
+            f"config keys 'rope_parameters'={rp!r} and 'rope_theta' / 'rope_scaling' ({old_theta!r}, {old!r}) disagree"
+        )
+    return {**raw, "rope_theta": theta, "rope_scaling": old if old is not None else scaling}
+
+
+def _check_mlp_layer_types(cfg: ModelConfig, kinds: Any) -> None:
+    """DeepSeek-V3.2's ``mlp_layer_types`` ("dense" / "sparse" a layer) must say what
+    first_k_dense_replace and moe_layer_freq say: other per-layer MLP kinds are refused."""
+    if kinds is None:
+        return
+    want = [
+        "sparse" if cfg.n_routed_experts and i >= cfg.first_k_dense_replace and i % cfg.moe_layer_freq == 0 else "dense"
+        for i in range(cfg.num_hidden_layers)
+    ]
+    if list(kinds) != want:
+        raise ValueError(
+            f"config key 'mlp_layer_types'={kinds!r} disagrees with first_k_dense_replace="
+            f"{cfg.first_k_dense_replace} / moe_layer_freq={cfg.moe_layer_freq} ({want!r}); other per-layer MLP "
+            "kinds are not supported"
+        )
 
 
 def _checkpoint_quant(qc: Any) -> str | None:

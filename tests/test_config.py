@@ -250,6 +250,20 @@ def test_kv_spec_for_is_a_function_of_the_configs():
         assert i.index is None
 
 
+def test_rope_parameters_read_as_rope_scaling():
+    """transformers 5's rope_parameters: YaRN's keys become rope_scaling, rope_theta comes along,
+    the default type is no scaling; the same values given both ways are accepted."""
+    yarn = {"rope_type": "yarn", "rope_theta": 5e4, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0}
+    c = cfg(rope_parameters=yarn, rope_theta=None, rope_scaling=None)
+    assert c.rope_theta == 5e4 and c.rope_scaling["type"] == "yarn" and c.rope_scaling["factor"] == 40
+    assert "rope_theta" not in c.rope_scaling
+    plain = cfg(rope_parameters={"rope_type": "default", "rope_theta": 2e4})
+    assert plain.rope_theta == 2e4 and plain.rope_scaling is None
+    both = cfg(rope_parameters=yarn, rope_theta=5e4, rope_scaling={"type": "yarn", "factor": 40, "mscale": 1.0,
+                                                                     "mscale_all_dim": 1.0})  # fmt: skip
+    assert both.rope_scaling == {"type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 @pytest.mark.parametrize(
     "raw, message",
     [
@@ -272,6 +286,13 @@ def test_kv_spec_for_is_a_function_of_the_configs():
             "disagree on the SWA layers",
         ),
         ({"layer_types": ["linear_attention"] * 8}, "config key 'layer_types' has unknown entry 'linear_attention'"),
+        ({"mlp_bias": True}, "config key 'mlp_bias'=true: MLPs with biases are not supported"),
+        ({"rope_parameters": [1]}, "config key 'rope_parameters' must be an object"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 40}, "rope_scaling": {"type": "yarn", "factor": 4}},
+            "config keys 'rope_parameters'=.* and 'rope_theta' / 'rope_scaling' .* disagree",
+        ),
+        ({"rope_parameters": {"rope_theta": 5e4}, "rope_theta": 1e4}, "'rope_parameters'=.* disagree"),
         ({"rope_interleave": "no"}, "config key 'rope_interleave' must be true or false, got 'no'"),
     ],
 )

@@ -146,3 +146,26 @@ def test_engine_serves_deepseek_v32_as_hugging_face_does(tmp_path, rng):
     first, again = (cached.generate({"prompt_token_ids": ids}, sp)[0] for _ in range(2))
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == greedy
     assert again.num_cached_tokens >= 48
+
+
+def test_a_config_saved_by_transformers_5_reads_the_same(tmp_path, rng):
+    """transformers 5's save_pretrained writes the rotary settings as rope_parameters (rope_scaling
+    and rope_theta null) and V3.2's mlp_layer_types: the engine reads them as the original config
+    (the same prompt logprobs, YaRN included), and refuses an mlp_layer_types that disagrees with
+    first_k_dense_replace by name."""
+    from transformers import DeepseekV32ForCausalLM
+
+    d = make_tiny_model(str(tmp_path / "src"), seed=3, dsa_layers=[0, 1, 2, 3], index_topk=8)
+    DeepseekV32ForCausalLM.from_pretrained(d, dtype=torch.float32).save_pretrained(str(tmp_path / "hf5"))
+    saved = json.load(open(tmp_path / "hf5" / "config.json"))
+    assert saved.get("rope_scaling") is None and saved["rope_parameters"]["rope_type"] == "yarn"
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{d}/{f}", tmp_path / "hf5" / f)
+    ids = [int(x) for x in rng.integers(2, 500, 40)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    a, b = (LLM(p, block_size=16).generate({"prompt_token_ids": ids}, sp)[0] for p in (d, str(tmp_path / "hf5")))
+    diff = max(abs(a.prompt_logprobs[p][ids[p]] - b.prompt_logprobs[p][ids[p]]) for p in range(1, len(ids)))
+    assert diff < 1e-5
+    dst, _ = variant(str(tmp_path / "hf5"), str(tmp_path / "bad"), lambda c: c.update(mlp_layer_types=["sparse"] * 4))
+    with pytest.raises(ValueError, match="config key 'mlp_layer_types'=.* disagrees with first_k_dense_replace=1"):
+        LLM(dst, block_size=16)
