@@ -119,27 +119,24 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_gather(self, x: paddle.Tensor, axis: int) -> paddle.Tensor:
+        """Concatenate every rank's x (the same shape on each) along ``axis``, in rank order."""
+        if self.world_size == 1:
+            return x
+        import paddle.distributed as dist
+
+        parts: list[paddle.Tensor] = []
+        with self.activity.collective():
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+        return paddle.concat(parts, axis=axis)
+
     def all_gather_last(self, x: paddle.Tensor) -> paddle.Tensor:
         """Concatenate every rank's x along the last axis, in rank order."""
-        if self.world_size == 1:
-            return x
-        import paddle.distributed as dist
-
-        parts: list[paddle.Tensor] = []
-        with self.activity.collective():
-            dist.all_gather(parts, x.contiguous(), group=self.group)
-        return paddle.concat(parts, axis=-1)
+        return self.all_gather(x, -1)
 
     def all_gather_rows(self, x: paddle.Tensor) -> paddle.Tensor:
-        """Concatenate every rank's x (the same shape on each) along the first axis, in rank order."""
-        if self.world_size == 1:
-            return x
-        import paddle.distributed as dist
-
-        parts: list[paddle.Tensor] = []
-        with self.activity.collective():
-            dist.all_gather(parts, x.contiguous(), group=self.group)
-        return paddle.concat(parts, axis=0)
+        """Concatenate every rank's x along the first axis, in rank order."""
+        return self.all_gather(x, 0)
 
     def reduce_scatter_rows(self, x: paddle.Tensor) -> paddle.Tensor:
         """This rank's 1 / world_size of the rows of the sum over ranks of x [world_size * n, ...]:

@@ -20,14 +20,13 @@ from fastdeploy.distributed.parallel import TPGroup
 
 @dataclass
 class Dispatched:
-    """Every rank's tokens, padded: x [R * n, H], ids int64 [R * n, k], w float32 [R * n, k]
-    (padding rows: weight 0); ``tokens`` this rank's own count, ``rows`` n."""
+    """Every rank's tokens, each rank's padded to n rows: x [R * n, H], ids int64 [R * n, k],
+    w float32 [R * n, k] (padding rows: weight 0); ``tokens`` this rank's own count."""
 
     x: paddle.Tensor
     ids: paddle.Tensor
     w: paddle.Tensor
     tokens: int
-    rows: int
 
 
 class AllGatherDispatch:
@@ -47,7 +46,7 @@ class AllGatherDispatch:
             ids = paddle.concat([ids, paddle.zeros([pad, ids.shape[1]], ids.dtype)])
             w = paddle.concat([w, paddle.zeros([pad, w.shape[1]], w.dtype)])
         g = self.group
-        return Dispatched(g.all_gather_rows(x), g.all_gather_rows(ids), g.all_gather_rows(w), T, n)
+        return Dispatched(g.all_gather_rows(x), g.all_gather_rows(ids), g.all_gather_rows(w), T)
 
     def finalize(self, out: paddle.Tensor, d: Dispatched) -> paddle.Tensor:
         """This rank's partial outputs of every rank's tokens [R * n, H] -> the sums over ranks

@@ -75,8 +75,7 @@ class DSAAttentionBackend(MLABackendBase):
             )
         self.sliding_window, self.index_topk = sliding_window, index_topk
         self.group = SWA_GROUP if sliding_window else FULL_GROUP
-        self.fp8_index = kv_cache_dtype == "fp8"
-        if index_topk and self.provider.split_decode and not self.fp8_index:
+        if index_topk and self.provider.split_decode and kv_cache_dtype != "fp8":
             raise ValueError(
                 "DSA (indexed) layers on FlashMLA need --kv-cache-dtype fp8: its sparse decode reads only the "
                 f"656-byte FP8 cache (got kv_cache_dtype {kv_cache_dtype!r})"
