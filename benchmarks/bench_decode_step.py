@@ -465,13 +465,22 @@ def head_and_sampler_ms(B: int, tp: int, g: torch.Generator) -> float:
     return events_ms(step)
 
 
+# tokens a verify step of k drafts yields: the fitted tiny model's per-position acceptance
+# (README's MTP table, batch 1) and DeepSeek-V3's reported first-draft acceptance (k = 1 only)
+TOKENS_A_STEP = {"fitted": {1: 1.69, 2: 2.17, 3: 2.38}, "deepseek": {1: 1.85}}
+
+
 def verify_rows(a, g: torch.Generator) -> None:
-    """One layer's verify step (B * (k + 1) tokens) against its 1-token decode step (B tokens)."""
+    """One layer's verify step (B * (k + 1) tokens) against its 1-token decode step (B tokens),
+    then the projected TP 8 time a token: 61 layers (``--swa-fraction`` SWA) of the verify step,
+    the MTP layer run k times at B tokens (a full layer), the LM head and sampler over B * (k + 1)
+    rows, over the tokens a step yields."""
     ks = [int(k) for k in a.verify_k.split(",")]
     rows = []
     print("| TP | B | ctx | layer | decode ms | " + " | ".join(f"k={k} ms (x decode)" for k in ks) + " |")
     print("|---|---|---|---|---|" + "---|" * len(ks))
     for B in (1, 8, 32):
+        per = {}
         for swa in (True, False):
             base = layer_case(B, 8, 4096, swa, a.window, g)
             row = {"B": B, "kind": base["kind"], "decode_ms": base["graph_ms"]}
@@ -481,12 +490,24 @@ def verify_rows(a, g: torch.Generator) -> None:
                 row[f"verify_k{k}_ms"] = r["graph_ms"]
                 cells.append(f"{r['graph_ms']:.3f} ({r['graph_ms'] / base['graph_ms']:.2f}x)")
             rows.append(row)
+            per[base["kind"]] = row
             print(
                 f"| 8 | {B} | 4096 | {base['kind']} | {base['graph_ms']:.3f} | " + " | ".join(cells) + " |", flush=True
             )
+        f = a.swa_fraction
+        layers = {key: LAYERS * (f * per["swa"][key] + (1 - f) * per["full"][key]) for key in per["swa"] if "ms" in key}
+        proj = {"B": B, "decode_ms_token": layers["decode_ms"] + head_and_sampler_ms(B, 8, g)}
+        for k in ks:
+            step = layers[f"verify_k{k}_ms"] + k * per["full"]["decode_ms"] + head_and_sampler_ms(B * (k + 1), 8, g)
+            proj[f"verify_k{k}_step_ms"] = step
+            for source, tokens in TOKENS_A_STEP.items():
+                if k in tokens:
+                    proj[f"k{k}_{source}_ms_token"] = step / tokens[k]
+        rows.append({"projection": proj})
+        print(json.dumps(proj), flush=True)
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"verify": rows, "window": a.window}, fh)
+            json.dump({"verify": rows, "window": a.window, "tokens_a_step": TOKENS_A_STEP}, fh)
 
 
 def main() -> None:

@@ -26,11 +26,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import bench_ms, copy_gbps, fp8_rowwise_tflops, rel_err  # noqa: E402
 
 from fastdeploy.model_executor.ops.triton_ops.lightning_indexer_kernel import (  # noqa: E402
+    launch_index_key_write,
     launch_index_logits,
     launch_index_topk,
 )
+from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa: E402
+    default_num_splits,
+    launch_sparse_mla,
+    tuned_config,
+)
 
 H, D, BS, TOPK = 64, 128, 64, 2048
+# (block_n, sub_n, num_warps) of the logits kernel: the first is the default, the rest timed beside
+TILINGS = [(64, 64, 4), (256, 64, 4), (512, 64, 4), (256, 128, 8), (1024, 128, 8), (512, 64, 8)]
+TOPK_TILES = [2048, 1024, 4096]
+
+
+def variants(launch_with, configs) -> dict:
+    """Median ms of ``launch_with(cfg)`` for each config (a failure recorded as its message)."""
+    out = {}
+    for cfg in configs:
+        try:
+            launch_with(cfg)
+            out[str(cfg)] = bench_ms(lambda c=cfg: launch_with(c), mode="median")
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+            out[str(cfg)] = repr(e)[:120]
+    return out
 
 
 def fp8_keys(n: int):
@@ -62,12 +83,12 @@ def decode_case(B: int, ctx: int, dg) -> dict:
     ends = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
     out = torch.full((B, ctx), float("nan"), device="cuda")
 
-    def ours():
-        launch_index_logits(q, w, cache, table, krow, ends, out, BS, True, dot_fp8=True)
+    def ours(cfg=TILINGS[0]):
+        launch_index_logits(q, w, cache, table, krow, ends, out, BS, True, cfg[0], True, cfg[1], cfg[2])
 
     ours()
     assert not out.isnan().any()
-    row = {"B": B, "ctx": ctx, "ours_ms": bench_ms(ours, mode="median")}
+    row = {"B": B, "ctx": ctx, "ours_ms": bench_ms(ours, mode="median"), "tilings": variants(ours, TILINGS)}
     flops, nbytes = 2 * H * D * B * ctx, B * ctx * (D + 4) + B * ctx * 4 + B * H * (D + 4)
     row["ours_tflops"], row["ours_gbps"] = flops / row["ours_ms"] / 1e9, nbytes / row["ours_ms"] / 1e6
     if dg is not None:
@@ -86,6 +107,7 @@ def decode_case(B: int, ctx: int, dg) -> dict:
     want = torch.topk(out, TOPK, dim=1).indices
     row["topk_same_sets"] = bool((picked.sort(1).values == want.sort(1).values.to(torch.int32)).all())
     row["topk_ms"] = bench_ms(lambda: launch_index_topk(out, ends, picked), mode="median")
+    row["topk_tiles"] = variants(lambda tile: launch_index_topk(out, ends, picked, tile), TOPK_TILES)
     row["torch_topk_ms"] = bench_ms(lambda: torch.topk(out, TOPK, dim=1), mode="median")
     return row
 
@@ -103,11 +125,11 @@ def prefill_case(T: int, ctx: int, dg) -> dict:
     ends = (pos + 1).to(torch.int64)
     out = torch.full((T, ctx), float("nan"), device="cuda")
 
-    def ours():
-        launch_index_logits(q, w, cache, table, krow, ends, out, BS, True, dot_fp8=True)
+    def ours(cfg=TILINGS[0]):
+        launch_index_logits(q, w, cache, table, krow, ends, out, BS, True, cfg[0], True, cfg[1], cfg[2])
 
     ours()
-    row = {"T": T, "ctx": ctx, "ours_ms": bench_ms(ours, mode="median")}
+    row = {"T": T, "ctx": ctx, "ours_ms": bench_ms(ours, mode="median"), "tilings": variants(ours, TILINGS)}
     visible = int(ends.sum())
     flops, nbytes = 2 * H * D * visible, ctx * (D + 4) + T * ctx * 4 + T * H * (D + 4)
     row["ours_tflops"], row["ours_gbps"] = flops / row["ours_ms"] / 1e9, nbytes / row["ours_ms"] / 1e6
@@ -131,6 +153,86 @@ def prefill_case(T: int, ctx: int, dg) -> dict:
     return row
 
 
+def random_records(n: int) -> torch.Tensor:
+    """n FP8 MLA records uint8 [n, 656]: finite e4m3 codes (no NaN pattern), four power-of-two
+    float32 scales, 64 bf16 rope values."""
+    rec = torch.empty(n, 656, dtype=torch.uint8, device="cuda")
+    codes = torch.randint(0, 0x7E, (n, 512), dtype=torch.uint8, device="cuda")
+    rec[:, :512] = codes | (torch.randint(0, 2, (n, 512), dtype=torch.uint8, device="cuda") << 7)
+    rec[:, 512:528] = torch.full((n, 4), 2.0**-8, device="cuda").view(torch.uint8)
+    rec[:, 528:] = torch.randn(n, 64, device="cuda").bfloat16().view(torch.uint8)
+    return rec
+
+
+def layer_case(B: int, ctx: int, heads: int, fm) -> dict:
+    """The DSA layer's attention at decode: index logits over the paged index keys, the top 2048,
+    positions to slots, sparse MLA over the picked FP8 records (heads x 576), as the backend runs
+    them; beside FlashMLA's sparse decode alone over the same slots. Both as CUDA-graph replays."""
+    nb = ctx // BS
+    icache = paged_cache(*fp8_keys(B * ctx))
+    mla = random_records(B * ctx).view(B * nb, BS, 1, 656)
+    table = torch.randperm(B * nb, device="cuda", dtype=torch.int32).view(B, nb)
+    qi = torch.randn(B, H, D, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.randn(B, H, device="cuda") * H**-0.5 * D**-0.5
+    krow = torch.arange(B, device="cuda", dtype=torch.int32)
+    ends = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+    logits = torch.empty(B, ctx, device="cuda")
+    picked = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
+    q = (torch.randn(B, heads, 576, device="cuda") * 0.5).bfloat16()
+    out = torch.empty(B, heads, 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(B, heads, device="cuda")
+    cfg = tuned_config(B, heads)
+    ns = default_num_splits(B, heads, TOPK, cfg["block_h"], cfg["block_n"])
+    part = torch.empty(B, ns, heads, 512, device="cuda") if ns > 1 else None
+    part_l = torch.empty(B, ns, heads, device="cuda") if ns > 1 else None
+    slots = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
+    scale = 576**-0.5
+
+    def pick():
+        launch_index_logits(qi, w, icache, table, krow, ends, logits, BS, True, dot_fp8=True)
+        launch_index_topk(logits, ends, picked)
+        at = picked.long().clamp(min=0)
+        blk = torch.gather(table.long(), 1, at // BS)
+        slots.copy_(torch.where(picked >= 0, blk * BS + at % BS, -1))
+
+    def attend():
+        launch_sparse_mla(q, mla, slots, out, lse, scale, num_splits=ns, partial=part, partial_lse=part_l)
+
+    def layer():
+        pick()
+        attend()
+
+    layer()
+    row = {"B": B, "ctx": ctx, "heads": heads, "num_splits": ns}
+    row["pick_ms"] = bench_ms(pick, graph=True)
+    row["attend_ms"] = bench_ms(attend, graph=True)
+    row["layer_ms"] = bench_ms(layer, graph=True)
+    if fm is not None:
+        sched, _ = fm.get_mla_metadata()
+        q4, idx = q[:, None].contiguous(), slots[:, None].contiguous()
+
+        def flash():
+            return fm.flash_mla_with_kvcache(q4, mla, None, None, 512, sched, softmax_scale=scale,
+                                             is_fp8_kvcache=True, indices=idx)  # fmt: skip
+
+        ref = flash()[0][:, 0]
+        row["err_vs_flashmla"] = rel_err(out.float(), ref.float())
+        row["flashmla_ms"] = bench_ms(flash, graph=True)
+        row["layer_over_flashmla"] = row["layer_ms"] / row["flashmla_ms"]
+    return row
+
+
+def key_write_case(T: int) -> dict:
+    """T new index keys (float32 [T, 128]) quantized into random slots of the paged index cache."""
+    n = max(T, 4096) * 4
+    cache = torch.zeros(n // BS, BS, 1, D + 4, dtype=torch.uint8, device="cuda")
+    k = torch.randn(T, D, device="cuda")
+    slots = torch.randperm(n, device="cuda")[:T].to(torch.int32)
+    ms = bench_ms(lambda: launch_index_key_write(k, slots, cache, BS, True), mode="median")
+    nbytes = T * (D * 4 + 4 + D + 4)
+    return {"T": T, "ms": ms, "gbps": nbytes / ms / 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -141,18 +243,39 @@ def main() -> None:
     except ImportError as e:
         print(f"deep_gemm does not import ({e}): ours alone")
         dg = None
+    try:
+        import flash_mla as fm
+    except ImportError as e:
+        print(f"flash_mla does not import ({e}): the layer alone")
+        fm = None
     res = {"device": torch.cuda.get_device_name(), "copy_gbps": copy_gbps(), "fp8_tflops": fp8_rowwise_tflops()}
-    res["decode"], res["prefill"] = [], []
+    res["decode"], res["prefill"], res["key_write"], res["layer"] = [], [], [], []
+
+    def record(section: str, case, *args) -> None:
+        """Run one case; a failure is recorded with its arguments and the rest still run."""
+        try:
+            row = case(*args)
+        except Exception as e:  # noqa: BLE001 - reported in the table's JSON
+            row = {"args": [x for x in args if isinstance(x, int)], "error": repr(e)[:300]}
+        res[section].append(row)
+        print(json.dumps(row), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+
     for B in (1, 32, 128):
         for ctx in (4096, 32768) if a.quick else (4096, 32768, 131072):
-            res["decode"].append(decode_case(B, ctx, dg))
-            print(json.dumps(res["decode"][-1]), flush=True)
+            record("decode", decode_case, B, ctx, dg)
     for ctx in (4096, 32768):
-        res["prefill"].append(prefill_case(2048, ctx, dg))
-        print(json.dumps(res["prefill"][-1]), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        record("prefill", prefill_case, 2048, ctx, dg)
+    for T in (1, 128, 8192):
+        record("key_write", key_write_case, T)
+    for B in (1, 32, 128):
+        for heads in (128, 64):
+            record("layer", layer_case, B, 32768, heads, fm)
+    res["decode"] = [r for r in res["decode"] if "error" not in r]
+    res["prefill"] = [r for r in res["prefill"] if "error" not in r]
+    res["layer"] = [r for r in res["layer"] if "error" not in r]
     print(f"{res['device']}: copy {res['copy_gbps']:.0f} GB/s, e4m3 GEMM {res['fp8_tflops']:.0f} TFLOP/s")
     print("decode  B    ctx   ours ms  GB/s  TFLOP/s  DeepGEMM ms  ratio  err      topk ms  torch.topk ms same")
     for r in res["decode"]:
@@ -168,6 +291,13 @@ def main() -> None:
             f"       {r['T']:4d} {r['ctx']:6d} {r['ours_ms']:8.4f} {r['ours_gbps']:6.0f} {r['ours_tflops']:6.1f}"
             f"  {r.get('deepgemm_ms', float('nan')):10.4f} {r.get('ratio_to_deepgemm', float('nan')):6.2f}"
             f"  {r.get('err_vs_deepgemm', float('nan')):.1e}"
+        )
+    print("layer   B heads  pick ms  attend ms  layer ms  FlashMLA ms  layer/FlashMLA  err")
+    for r in res["layer"]:
+        print(
+            f"       {r['B']:4d} {r['heads']:4d} {r['pick_ms']:8.4f} {r['attend_ms']:9.4f} {r['layer_ms']:9.4f}"
+            f"  {r.get('flashmla_ms', float('nan')):10.4f} {r.get('layer_over_flashmla', float('nan')):8.2f}"
+            f"  {r.get('err_vs_flashmla', float('nan')):.1e}"
         )
 
 

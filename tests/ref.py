@@ -229,7 +229,8 @@ def pow2_e4m3_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def lightning_index_ref(q, w, k, ends, topk, k_scale=None) -> tuple[np.ndarray, np.ndarray]:
     """DSA's index score in float64: score[t, s] = k_scale[s] * sum_h w[t, h] relu(q[t, h] . k[s])
-    for s < ends[t]; the top min(topk, ends[t]) keys by score (ties to the lower id), -1 after.
+    for s < ends[t]; the top min(topk, ends[t]) keys by score (ties to the lower id) in ascending
+    id order, -1 after.
     -> (scores [T, S] with -inf past the ends, ids int [T, topk])."""
     q, w, k = (np.asarray(a, np.float64) for a in (q, w, k))
     T, S = q.shape[0], k.shape[0]
@@ -241,6 +242,6 @@ def lightning_index_ref(q, w, k, ends, topk, k_scale=None) -> tuple[np.ndarray, 
         if k_scale is not None:
             s = s * np.asarray(k_scale, np.float64)[:n]
         scores[t, :n] = s
-        pick = sorted(range(n), key=lambda j: (-s[j], j))[:topk]
+        pick = sorted(sorted(range(n), key=lambda j: (-s[j], j))[:topk])
         ids[t, : len(pick)] = pick
     return scores, ids

@@ -50,15 +50,17 @@ def test_scores_and_pick_equal_the_reference(fp8, rng):
 
 
 def test_ties_go_to_the_lower_key_id():
-    """Keys 2 and 5 equal (as are 1 and 4): equal scores, picked in id order; fewer keys than
-    topk pad with -1."""
+    """Keys 2 and 5 equal (as are 1 and 4): a cut through equal scores keeps the lower id; the
+    pick comes in id order; fewer keys than topk pad with -1."""
     k = np.zeros((6, 4), np.float32)
     k[[2, 5], 0], k[[1, 4], 1], k[3, 2] = 1.0, 0.5, 0.25
     q = np.ones((1, 1, 4), np.float32)
     w = np.ones((1, 1), np.float32)
     s = index_scores(paddle.to_tensor(q), paddle.to_tensor(w), paddle.to_tensor(k), paddle.to_tensor([6]))
-    assert index_topk(s, paddle.to_tensor([6]), 5).numpy().tolist() == [[2, 5, 1, 4, 3]]
-    assert index_topk(s, paddle.to_tensor([6]), 8).numpy().tolist() == [[2, 5, 1, 4, 3, 0, -1, -1]]
+    assert index_topk(s, paddle.to_tensor([6]), 1).numpy().tolist() == [[2]]
+    assert index_topk(s, paddle.to_tensor([6]), 3).numpy().tolist() == [[1, 2, 5]]
+    assert index_topk(s, paddle.to_tensor([6]), 5).numpy().tolist() == [[1, 2, 3, 4, 5]]
+    assert index_topk(s, paddle.to_tensor([6]), 8).numpy().tolist() == [[0, 1, 2, 3, 4, 5, -1, -1]]
 
 
 def test_pick_equals_hugging_faces_indexer(rng):
@@ -106,12 +108,14 @@ def test_pick_equals_hugging_faces_indexer(rng):
         assert (np.diff(scores[r, hf[r, :n]]) <= tol).all(), r  # HF's order is ours up to rounding
 
 
+@pytest.mark.parametrize("tiling", [(64, 64), (32, 16)], ids=["one_tile", "sub_tiles"])
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8_cache", "float_cache"])
-def test_index_logits_kernel_equals_the_reference(fp8, rng):
+def test_index_logits_kernel_equals_the_reference(fp8, tiling, rng):
     """One step over a paged indexer cache (block_size 16, blocks drawn at random, the rest of the
     cache NaN): a prefill of 21 tokens after 11 cached ones and two decode rows, one at a block
-    edge. The Triton kernel (one launch for every row), the paddle reference (one key gather a
-    request) and the float64 scores of the cached keys agree; past each row's end, -inf."""
+    edge. The Triton kernel (one launch for every row; a program's positions in one tile, or in
+    sub-tiles some of which lie past the end), the paddle reference (one key gather a request) and
+    the float64 scores of the cached keys agree; past each row's end, -inf."""
     from types import SimpleNamespace
 
     from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import (
@@ -140,7 +144,7 @@ def test_index_logits_kernel_equals_the_reference(fp8, rng):
         qq, qs = pow2_e4m3_ref(q.astype(np.float64))
         q, w = qq.astype(np.float32), (w * qs).astype(np.float32)
     t = paddle.to_tensor
-    got = index_logits_triton(t(q), t(w), cache, t(table), t(krow), t(ends), width).numpy()
+    got = index_logits_triton(t(q), t(w), cache, t(table), t(krow), t(ends), width, *tiling).numpy()
     rows, cu = [], np.concatenate([[0], np.cumsum(counts)])
     for b in range(3):
         pos = np.arange(ends[cu[b + 1] - 1])
@@ -163,23 +167,33 @@ def test_index_logits_kernel_equals_the_reference(fp8, rng):
         np.testing.assert_allclose(x[fin], want[fin], rtol=2e-5, atol=2e-5 * np.abs(want[fin]).max())
 
 
-def test_topk_kernel_equals_the_reference_pick(rng):
-    """The Triton top-k (a running top K over tiles, merged by sorts of packed (score, position)
-    keys) against index_topk's stable sort: rows ending before, at and past k (tiles of k merged
-    several times), scores with ties (equal ones, to the lower position) and negative scores."""
-    from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import index_topk_triton
+@pytest.mark.parametrize("tile", [16, 2048])
+def test_topk_kernel_equals_the_reference_pick(tile, rng):
+    """The Triton top-k (a radix select of the k-th largest score, then a compaction in position
+    order) against index_topk's stable sort, over tiles of 16 (seven a row) and one tile: rows
+    ending before, at and past k; ties across the cut (equal ones go to the lower position);
+    negative scores; scores that differ only in their last bits (every pass of the select
+    decides); a row of one value; a row whose k-th score is -inf-free but holds -inf inside."""
+    from fastdeploy.model_executor.ops.triton_ops.lightning_indexer_kernel import launch_index_topk
 
-    T, L, k = 6, 100, 16
+    T, L, k = 9, 100, 16
     s = rng.standard_normal((T, L)).astype(np.float32)
     s[1, 3:60:7] = s[1, 2]  # ties
-    s[2] = np.round(s[2])  # many ties
+    s[2] = np.round(s[2])  # many ties, one of them at the cut
     s[3] = -np.abs(s[3])
-    ends = np.array([1, 60, L, k, k - 3, 37])
+    s[4] = (1.0 + np.arange(L) * 2.0**-23).astype(np.float32)[rng.permutation(L)]  # one ulp apart
+    s[5] = 0.25
+    s[6, ::3] = -np.inf
+    ends = np.array([1, 60, L, k, L, L, L, k - 3, 37])
     s[np.arange(L)[None, :] >= ends[:, None]] = -np.inf
-    got = index_topk_triton(paddle.to_tensor(s), paddle.to_tensor(ends), k).numpy()
+    got = paddle.full([T, k], -7, "int32")
+    launch_index_topk(paddle.to_tensor(s), paddle.to_tensor(ends), got, tile=tile)
     want = index_topk(paddle.to_tensor(s), paddle.to_tensor(ends), k).numpy()
-    np.testing.assert_array_equal(got, want)
-    assert (got[0, 1:] == -1).all() and (got[2] >= 0).all()
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert (want[0, 1:] == -1).all() and (want[2] >= 0).all() and want[5].tolist() == list(range(k))
+    for t in (1, 2, 4):  # the pick is the top k by (score, lower position) first
+        best = sorted(range(ends[t]), key=lambda j: (-s[t, j], j))[:k]
+        assert sorted(best) == want[t].tolist()
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8_cache", "float_cache"])

@@ -29,6 +29,7 @@ from typing import Protocol
 
 import paddle
 
+from fastdeploy.model_executor.ops.triton_ops.launcher import interpret_mode
 from fastdeploy.model_executor.ops.triton_ops.lightning_indexer_kernel import (
     launch_index_key_write,
     launch_index_logits,
@@ -71,15 +72,16 @@ def index_scores(
 
 def index_topk(scores: paddle.Tensor, ends: paddle.Tensor, topk: int) -> paddle.Tensor:
     """scores [T, S] as ``index_scores`` makes them (-inf past each row's end), ends int [T] ->
-    int32 [T, topk]: each row's top min(topk, ends[t]) key ids by score, highest first, ties to
-    the lower id, then -1."""
+    int32 [T, topk]: each row's top min(topk, ends[t]) key ids by score (ties to the lower id), in
+    ascending id order, then -1. Attention does not depend on the order; this one is what a
+    select-then-compact kernel writes."""
     T, S = scores.shape
     kk = min(topk, S)
     # a stable descending sort keeps equal scores in id order
     order = paddle.argsort(scores, axis=1, descending=True, stable=True)[:, :kk]
-    ids = order.astype("int32")
     valid = paddle.arange(kk, dtype="int64").unsqueeze(0) < ends.astype("int64").clip(max=kk).unsqueeze(1)
-    ids = paddle.where(valid, ids, paddle.full_like(ids, -1))
+    ids = paddle.sort(paddle.where(valid, order, paddle.full_like(order, S)), axis=1)
+    ids = paddle.where(ids < S, ids, paddle.full_like(ids, -1)).astype("int32")
     if kk < topk:
         ids = paddle.concat([ids, paddle.full([T, topk - kk], -1, "int32")], axis=1)
     return ids
@@ -183,14 +185,20 @@ def index_logits_triton(
     krow: paddle.Tensor,
     ends: paddle.Tensor,
     width: int,
+    block_n: int = 64,
+    sub_n: int = 64,
 ) -> paddle.Tensor:
     """q [T, H, D], w [T, H] float32, the indexer cache, block_table int32 [B, max_blocks],
     krow int32 [T] (each query's table row), ends int [T] -> float32 [T, width]: query t against
-    positions 0..width-1 of its row (width at most max_blocks x bs, each end at most width)."""
+    positions 0..width-1 of its row (width at most max_blocks x bs, each end at most width). With
+    an FP8 cache q holds e4m3 values (``quantize_pow2_e4m3``): on the GPU they go to the dot as
+    e4m3, exactly."""
     T = q.shape[0]
     out = paddle.empty([T, width], "float32")
+    fp8 = cache.dtype == paddle.uint8
+    dot_fp8 = fp8 and not interpret_mode()
     launch_index_logits(
-        q.astype("float32").contiguous(),
+        q.astype("float8_e4m3fn" if dot_fp8 else "float32").contiguous(),
         w.astype("float32").contiguous(),
         cache,
         block_table.astype("int32").contiguous(),
@@ -198,7 +206,10 @@ def index_logits_triton(
         ends.astype("int64").contiguous(),
         out,
         cache.shape[1],
-        cache.dtype == paddle.uint8,
+        fp8,
+        block_n=block_n,
+        dot_fp8=dot_fp8,
+        sub_n=sub_n,
     )
     return out
 

@@ -88,45 +88,68 @@ def _index_logits_kernel(
     BS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SUB_N: tl.constexpr,
     FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
+    """One query row t, positions [pid1 * BLOCK_N, + BLOCK_N) in sub-tiles of SUB_N: q and w are
+    loaded once a program, each sub-tile's keys once."""
     t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    base = tl.program_id(1) * BLOCK_N
     end = tl.load(ends_ptr + t)
-    ok = j < end
-    out = out_ptr + t * stride_out + j
-    if tl.program_id(1) * BLOCK_N >= end:  # the whole tile lies past the query's end
-        tl.store(out, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=j < L)
+    if base >= end:  # the whole tile lies past the query's end
+        for sub in tl.static_range(0, BLOCK_N, SUB_N):
+            j = base + sub + tl.arange(0, SUB_N)
+            tl.store(out_ptr + t * stride_out + j, tl.full([SUB_N], float("-inf"), tl.float32), mask=j < L)
         return
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
+    # e4m3 q on Hopper goes to the dot as it is (DOT_DTYPE e4m3); the interpreter widens to float32
     q = tl.load(q_ptr + t * stride_qt + h[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
+    q = q.to(DOT_DTYPE)
     w = tl.load(w_ptr + t * stride_wt + h, mask=h < H, other=0.0).to(tl.float32)
     row = tl.load(krow_ptr + t).to(tl.int64)
-    blk = tl.load(table_ptr + row * stride_table + j // BS, mask=ok, other=0).to(tl.int64)
-    blk = tl.maximum(blk, 0)
-    off = j % BS
-    if FP8:
-        page = cache_ptr + blk * (BS * (D + 4))  # uint8: the block's codes, then its scales
-        codes = tl.load(page[:, None] + off[:, None] * D + d[None, :], mask=ok[:, None], other=0)
-        k = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scale = tl.load((page + BS * D + off * 4).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
-    else:
-        k = tl.load(cache_ptr + (blk * BS + off)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        k = k.to(tl.float32)
-        scale = tl.full([BLOCK_N], 1.0, tl.float32)
-    s = tl.dot(q.to(tl.float32).to(DOT_DTYPE), tl.trans(k.to(DOT_DTYPE)))  # [BLOCK_H, BLOCK_N]
-    logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0) * scale
-    tl.store(out, tl.where(ok, logit, float("-inf")), mask=j < L)
+    for sub in range(0, BLOCK_N, SUB_N):
+        j = base + sub + tl.arange(0, SUB_N)
+        ok = j < end
+        if base + sub < end:
+            blk = tl.load(table_ptr + row * stride_table + j // BS, mask=ok, other=0).to(tl.int64)
+            blk = tl.maximum(blk, 0)
+            off = j % BS
+            if FP8:
+                page = cache_ptr + blk * (BS * (D + 4))  # uint8: the block's codes, then its scales
+                codes = tl.load(page[:, None] + off[:, None] * D + d[None, :], mask=ok[:, None], other=0)
+                k = codes.to(tl.float8e4nv, bitcast=True)
+                scale = tl.load((page + BS * D + off * 4).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+            else:
+                k = tl.load(cache_ptr + (blk * BS + off)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+                scale = tl.full([SUB_N], 1.0, tl.float32)
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))  # [BLOCK_H, SUB_N]
+            logit = tl.where(ok, tl.sum(tl.maximum(s, 0.0) * w[:, None], 0) * scale, float("-inf"))
+        else:
+            logit = tl.full([SUB_N], float("-inf"), tl.float32)
+        tl.store(out_ptr + t * stride_out + j, logit, mask=j < L)
 
 
 def launch_index_logits(
-    q, w, cache, block_table, krow, ends, out, block_size: int, fp8: bool, block_n: int = 64, dot_fp8: bool = False
+    q,
+    w,
+    cache,
+    block_table,
+    krow,
+    ends,
+    out,
+    block_size: int,
+    fp8: bool,
+    block_n: int = 64,
+    dot_fp8: bool = False,
+    sub_n: int = 64,
+    num_warps: int = 4,
 ) -> None:
     """Framework-neutral launch. q [T, H, D] (float32, or e4m3 with ``dot_fp8``), w float32 [T, H],
     cache uint8 [blocks, bs, 1, D + 4] (``fp8``) or float [blocks, bs, 1, D], block_table int32
-    [B, max_blocks], krow int32 [T] (the table row of each query), ends int [T] (each at most L), out float32 [T, L]."""
+    [B, max_blocks], krow int32 [T] (the table row of each query), ends int [T] (each at most L),
+    out float32 [T, L]. A program scores ``block_n`` positions, ``sub_n`` at a time."""
     T, H, D = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
     L = int(out.shape[1])
     if T == 0 or L == 0:
@@ -152,44 +175,83 @@ def launch_index_logits(
         BS=block_size,
         BLOCK_H=max(16, triton.next_power_of_2(H)),
         BLOCK_N=block_n,
+        SUB_N=min(sub_n, block_n),
         FP8=fp8,
         DOT_DTYPE=tl.float8e4nv if dot_fp8 else tl.float32,
+        num_warps=num_warps,
     )
 
 
 @triton.jit
-def _sort_key(score, j):
-    """(score float32, position j) -> int64 keys whose descending order is score descending, then
-    position ascending: the float's bits made monotone as a signed int (negative floats have
-    their magnitude bits flipped) in the high word, 2^31 - 1 - j in the low word."""
-    bits = score.to(tl.int32, bitcast=True)
-    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return (mono.to(tl.int64) << 32) + (0x7FFFFFFF - j).to(tl.int64)
+def _order_key(score):
+    """float32 -> uint32 in the same order: positive floats get the sign bit set, negative ones
+    have every bit flipped (so -inf is 0x007FFFFF, above the masked positions' 0)."""
+    bits = score.to(tl.uint32, bitcast=True)
+    flip = tl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
+    return bits ^ flip
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, ends_ptr, out_ptr, stride_l, stride_o, K_OUT, K: tl.constexpr):
-    """One program a row: a running top K (K a power of two >= k) over tiles of K positions, each
-    tile merged by one sort of the 2K keys of the champions and the tile; then the k best
-    positions in order, -1 past min(k, end)."""
+def _tile_keys(logits_ptr, t, stride_l, j, end):
+    """Order keys of positions j (< end, else 0) of row t."""
+    s = tl.load(logits_ptr + t * stride_l + j, mask=j < end, other=float("-inf"))
+    return tl.where(j < end, _order_key(s), 0)
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, ends_ptr, out_ptr, stride_l, stride_o, K_OUT, TILE: tl.constexpr):
+    """One program a row: the k best positions, in ascending position order, then -1.
+
+    A row ending within k keeps positions 0..end-1. Otherwise a radix select finds the k-th
+    largest order key, 8 bits a pass from the top: each pass counts, among the keys whose higher
+    bits equal the prefix found so far, each value of the next byte (a 512-bin histogram whose
+    upper half takes the keys that do not match), and keeps the byte where the count of keys
+    above reaches the k still wanted. Then one pass writes every position above that key and the
+    first ``rem`` positions equal to it (ties to the lower position), in order, by running
+    counts."""
     t = tl.program_id(0).to(tl.int64)
     end = tl.load(ends_ptr + t)
-    best = tl.full([K], -(2**63), tl.int64)
-    r = tl.arange(0, K)
-    for start in range(0, end, K):
-        j = start + r
-        s = tl.load(logits_ptr + t * stride_l + j, mask=j < end, other=float("-inf"))
-        both = tl.sort(tl.reshape(tl.join(best, _sort_key(s, j)), [2 * K]), descending=True)
-        best = tl.sum(tl.where(tl.arange(0, 2)[:, None] == 0, tl.reshape(both, [2, K]), 0), 0)
-    pos = (0x7FFFFFFF - (best & 0xFFFFFFFF)).to(tl.int32)
-    pos = tl.where(r < tl.minimum(end, K_OUT), pos, -1)
-    tl.store(out_ptr + t * stride_o + r, pos, mask=r < K_OUT)
+    r = tl.arange(0, TILE)
+    if end <= K_OUT:
+        for start in range(0, K_OUT, TILE):
+            j = start + r
+            tl.store(out_ptr + t * stride_o + j, tl.where(j < end, j, -1).to(tl.int32), mask=j < K_OUT)
+    else:
+        b = tl.arange(0, 512)
+        prefix = tl.zeros([], tl.uint32)
+        rem = K_OUT
+        for p in tl.static_range(4):
+            shift: tl.constexpr = 24 - 8 * p
+            hist = tl.zeros([512], tl.int32)
+            for start in range(0, end, TILE):
+                j = start + r
+                key = _tile_keys(logits_ptr, t, stride_l, j, end)
+                digit = ((key >> shift) & 0xFF).to(tl.int32)
+                if p == 0:
+                    match = j < end
+                else:
+                    match = (j < end) & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+                hist += tl.histogram(tl.where(match, digit, digit + 256), 512)
+            count = tl.where(b < 256, hist, 0)
+            at_or_above = tl.sum(count, 0) - tl.cumsum(count, 0) + count
+            d = tl.sum((at_or_above >= rem).to(tl.int32), 0) - 1
+            rem -= tl.sum(tl.where(b == d, at_or_above - count, 0), 0)
+            prefix = prefix | (d.to(tl.uint32) << shift)
+        taken = tl.zeros([], tl.int32)
+        ties = tl.zeros([], tl.int32)
+        for start in range(0, end, TILE):
+            j = start + r
+            key = _tile_keys(logits_ptr, t, stride_l, j, end)
+            eq = (key == prefix).to(tl.int32)
+            take = ((key > prefix) | ((eq == 1) & (ties + tl.cumsum(eq, 0) - eq < rem))).to(tl.int32)
+            tl.store(out_ptr + t * stride_o + taken + tl.cumsum(take, 0) - take, j.to(tl.int32), mask=take == 1)
+            taken += tl.sum(take, 0)
+            ties += tl.sum(eq, 0)
 
 
-def launch_index_topk(logits, ends, out) -> None:
+def launch_index_topk(logits, ends, out, tile: int = 2048) -> None:
     """logits float32 [T, L] (-inf past each row's end), ends int [T], out int32 [T, k]."""
-    T, k = int(out.shape[0]), int(out.shape[1])
+    T = int(out.shape[0])
     if T == 0:
         return
-    K = max(16, triton.next_power_of_2(k))
-    launch(_topk_kernel, (T,), logits, ends, out, stride(logits, 0), stride(out, 0), k, K=K)
+    launch(_topk_kernel, (T,), logits, ends, out, stride(logits, 0), stride(out, 0), int(out.shape[1]), TILE=tile)
