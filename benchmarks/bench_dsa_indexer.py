@@ -42,6 +42,18 @@ TILINGS = [(64, 64, 4), (256, 64, 4), (512, 64, 4), (256, 128, 8), (1024, 128, 8
 TOPK_TILES = [2048, 1024, 4096]
 
 
+BEFORE = {}  # --before FILE: an earlier lightning_indexer_kernel.py, timed beside at decode
+
+
+def load_before(path: str) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lightning_indexer_kernel_before", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    BEFORE["mod"] = mod
+
+
 def variants(launch_with, configs) -> dict:
     """Median ms of ``launch_with(cfg)`` for each config (a failure recorded as its message)."""
     out = {}
@@ -108,6 +120,12 @@ def decode_case(B: int, ctx: int, dg) -> dict:
     row["topk_same_sets"] = bool((picked.sort(1).values == want.sort(1).values.to(torch.int32)).all())
     row["topk_ms"] = bench_ms(lambda: launch_index_topk(out, ends, picked), mode="median")
     row["topk_tiles"] = variants(lambda tile: launch_index_topk(out, ends, picked, tile), TOPK_TILES)
+    if BEFORE:
+        old = BEFORE["mod"]
+        row["before_ms"] = bench_ms(
+            lambda: old.launch_index_logits(q, w, cache, table, krow, ends, out, BS, True, dot_fp8=True), mode="median"
+        )
+        row["before_topk_ms"] = bench_ms(lambda: old.launch_index_topk(out, ends, picked), mode="median")
     row["torch_topk_ms"] = bench_ms(lambda: torch.topk(out, TOPK, dim=1), mode="median")
     return row
 
@@ -237,7 +255,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--before", default=None, help="an earlier lightning_indexer_kernel.py, timed beside")
     a = ap.parse_args()
+    if a.before:
+        load_before(a.before)
     try:
         import deep_gemm as dg
     except ImportError as e:
