@@ -213,15 +213,15 @@ def _topk_kernel(logits_ptr, ends_ptr, out_ptr, stride_l, stride_o, K_OUT, TILE:
     end = tl.load(ends_ptr + t)
     r = tl.arange(0, TILE)
     if end <= K_OUT:
-        for start in range(0, K_OUT, TILE):
-            j = start + r
-            tl.store(out_ptr + t * stride_o + j, tl.where(j < end, j, -1).to(tl.int32), mask=j < K_OUT)
+        for first in range(0, K_OUT, TILE):
+            i = first + r
+            tl.store(out_ptr + t * stride_o + i, tl.where(i < end, i, -1).to(tl.int32), mask=i < K_OUT)
     else:
         b = tl.arange(0, 512)
         prefix = tl.zeros([], tl.uint32)
         rem = K_OUT
         for p in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * p
+            shift = 24 - 8 * p
             hist = tl.zeros([512], tl.int32)
             for start in range(0, end, TILE):
                 j = start + r
