@@ -38,8 +38,8 @@ from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa
 
 H, D, BS, TOPK = 64, 128, 64, 2048
 # (block_n, sub_n, num_warps) of the logits kernel: the first is the default, the rest timed beside
-TILINGS = [(64, 64, 4), (256, 64, 4), (512, 64, 4), (256, 128, 8), (1024, 128, 8), (512, 64, 8)]
-TOPK_TILES = [2048, 1024, 4096]
+TILINGS = [(64, 64, 4), (256, 64, 4), (512, 64, 4), (512, 64, 8), (1024, 64, 8), (512, 128, 8)]
+TOPK_TILES = [(2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]  # (tile, num_warps)
 
 
 BEFORE = {}  # --before FILE: an earlier lightning_indexer_kernel.py, timed beside at decode
@@ -119,7 +119,7 @@ def decode_case(B: int, ctx: int, dg) -> dict:
     want = torch.topk(out, TOPK, dim=1).indices
     row["topk_same_sets"] = bool((picked.sort(1).values == want.sort(1).values.to(torch.int32)).all())
     row["topk_ms"] = bench_ms(lambda: launch_index_topk(out, ends, picked), mode="median")
-    row["topk_tiles"] = variants(lambda tile: launch_index_topk(out, ends, picked, tile), TOPK_TILES)
+    row["topk_tiles"] = variants(lambda c: launch_index_topk(out, ends, picked, *c), TOPK_TILES)
     if BEFORE:
         old = BEFORE["mod"]
         row["before_ms"] = bench_ms(

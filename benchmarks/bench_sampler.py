@@ -13,21 +13,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import numpy as np
 import torch
-from common import copy_gbps, per_call_ms
 
-from fastdeploy.model_executor.layers.sampler import sample
-from fastdeploy.model_executor.ops.triton_ops import sampling_kernel
-from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import copy_gbps, per_call_ms  # noqa: E402
+
+from fastdeploy.model_executor.layers.sampler import sample  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops import sampling_kernel  # noqa: E402
+from fastdeploy.model_executor.ops.triton_ops.sampling_kernel import (  # noqa: E402
     CUT_DEPTHS,
     KMAX,
     launch_count,
     row_keys,
 )
-from fastdeploy.sampling_params import SamplingState
+from fastdeploy.sampling_params import SamplingState  # noqa: E402
 
 VOCAB = 129280  # DeepSeek-V3
 

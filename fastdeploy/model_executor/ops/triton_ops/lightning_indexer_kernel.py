@@ -109,26 +109,27 @@ def _index_logits_kernel(
     q = q.to(DOT_DTYPE)
     w = tl.load(w_ptr + t * stride_wt + h, mask=h < H, other=0.0).to(tl.float32)
     row = tl.load(krow_ptr + t).to(tl.int64)
-    for sub in range(0, BLOCK_N, SUB_N):
+    live = tl.minimum(BLOCK_N, end - base)  # positions of the tile before the end (> 0 here)
+    for sub in range(0, live, SUB_N):  # no branch inside: the key loads can be pipelined
         j = base + sub + tl.arange(0, SUB_N)
         ok = j < end
-        if base + sub < end:
-            blk = tl.load(table_ptr + row * stride_table + j // BS, mask=ok, other=0).to(tl.int64)
-            blk = tl.maximum(blk, 0)
-            off = j % BS
-            if FP8:
-                page = cache_ptr + blk * (BS * (D + 4))  # uint8: the block's codes, then its scales
-                codes = tl.load(page[:, None] + off[:, None] * D + d[None, :], mask=ok[:, None], other=0)
-                k = codes.to(tl.float8e4nv, bitcast=True)
-                scale = tl.load((page + BS * D + off * 4).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
-            else:
-                k = tl.load(cache_ptr + (blk * BS + off)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-                scale = tl.full([SUB_N], 1.0, tl.float32)
-            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))  # [BLOCK_H, SUB_N]
-            logit = tl.where(ok, tl.sum(tl.maximum(s, 0.0) * w[:, None], 0) * scale, float("-inf"))
+        blk = tl.load(table_ptr + row * stride_table + j // BS, mask=ok, other=0).to(tl.int64)
+        blk = tl.maximum(blk, 0)
+        off = j % BS
+        if FP8:
+            page = cache_ptr + blk * (BS * (D + 4))  # uint8: the block's codes, then its scales
+            codes = tl.load(page[:, None] + off[:, None] * D + d[None, :], mask=ok[:, None], other=0)
+            k = codes.to(tl.float8e4nv, bitcast=True)
+            scale = tl.load((page + BS * D + off * 4).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
         else:
-            logit = tl.full([SUB_N], float("-inf"), tl.float32)
+            k = tl.load(cache_ptr + (blk * BS + off)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            scale = tl.full([SUB_N], 1.0, tl.float32)
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)))  # [BLOCK_H, SUB_N]
+        logit = tl.where(ok, tl.sum(tl.maximum(s, 0.0) * w[:, None], 0) * scale, float("-inf"))
         tl.store(out_ptr + t * stride_out + j, logit, mask=j < L)
+    for sub in range(tl.cdiv(live, SUB_N) * SUB_N, BLOCK_N, SUB_N):  # sub-tiles wholly past the end
+        j = base + sub + tl.arange(0, SUB_N)
+        tl.store(out_ptr + t * stride_out + j, tl.full([SUB_N], float("-inf"), tl.float32), mask=j < L)
 
 
 def launch_index_logits(
@@ -249,9 +250,10 @@ def _topk_kernel(logits_ptr, ends_ptr, out_ptr, stride_l, stride_o, K_OUT, TILE:
             ties += tl.sum(eq, 0)
 
 
-def launch_index_topk(logits, ends, out, tile: int = 2048) -> None:
+def launch_index_topk(logits, ends, out, tile: int = 2048, num_warps: int = 4) -> None:
     """logits float32 [T, L] (-inf past each row's end), ends int [T], out int32 [T, k]."""
     T = int(out.shape[0])
     if T == 0:
         return
-    launch(_topk_kernel, (T,), logits, ends, out, stride(logits, 0), stride(out, 0), int(out.shape[1]), TILE=tile)
+    launch(_topk_kernel, (T,), logits, ends, out, stride(logits, 0), stride(out, 0), int(out.shape[1]), TILE=tile,
+           num_warps=num_warps)  # fmt: skip
