@@ -38,8 +38,10 @@ from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa
 
 H, D, BS, TOPK = 64, 128, 64, 2048
 # (block_n, sub_n, num_warps) of the logits kernel: the first is the default, the rest timed beside
-TILINGS = [(64, 64, 4), (256, 64, 4), (512, 64, 4), (512, 64, 8), (1024, 64, 8), (512, 128, 8)]
-TOPK_TILES = [(2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]  # (tile, num_warps)
+# (block_n, sub_n, num_warps, keys_m) of the logits kernel
+TILINGS = [(64, 64, 4, False), (512, 64, 8, False), (1024, 64, 8, False), (64, 64, 4, True), (512, 64, 4, True),
+           (512, 64, 8, True), (1024, 64, 8, True), (512, 128, 8, True)]  # fmt: skip
+TOPK_TILES = [(2048, 4), (4096, 8), (8192, 16)]  # (tile, num_warps)
 
 
 BEFORE = {}  # --before FILE: an earlier lightning_indexer_kernel.py, timed beside at decode
@@ -95,8 +97,8 @@ def decode_case(B: int, ctx: int, dg) -> dict:
     ends = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
     out = torch.full((B, ctx), float("nan"), device="cuda")
 
-    def ours(cfg=TILINGS[0]):
-        launch_index_logits(q, w, cache, table, krow, ends, out, BS, True, cfg[0], True, cfg[1], cfg[2])
+    def ours(cfg=(None, None, None, None)):  # the library's tiling unless given
+        launch_index_logits(q, w, cache, table, krow, ends, out, BS, True, cfg[0], True, *cfg[1:])
 
     ours()
     assert not out.isnan().any()
@@ -143,8 +145,8 @@ def prefill_case(T: int, ctx: int, dg) -> dict:
     ends = (pos + 1).to(torch.int64)
     out = torch.full((T, ctx), float("nan"), device="cuda")
 
-    def ours(cfg=TILINGS[0]):
-        launch_index_logits(q, w, cache, table, krow, ends, out, BS, True, cfg[0], True, cfg[1], cfg[2])
+    def ours(cfg=(None, None, None, None)):  # the library's tiling unless given
+        launch_index_logits(q, w, cache, table, krow, ends, out, BS, True, cfg[0], True, *cfg[1:])
 
     ours()
     row = {"T": T, "ctx": ctx, "ours_ms": bench_ms(ours, mode="median"), "tilings": variants(ours, TILINGS)}

@@ -108,14 +108,15 @@ def test_pick_equals_hugging_faces_indexer(rng):
         assert (np.diff(scores[r, hf[r, :n]]) <= tol).all(), r  # HF's order is ours up to rounding
 
 
-@pytest.mark.parametrize("tiling", [(64, 64), (32, 16)], ids=["one_tile", "sub_tiles"])
+@pytest.mark.parametrize("tiling", [(64, 64, False), (32, 16, True)], ids=["one_tile", "sub_tiles_keys_as_rows"])
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8_cache", "float_cache"])
 def test_index_logits_kernel_equals_the_reference(fp8, tiling, rng):
     """One step over a paged indexer cache (block_size 16, blocks drawn at random, the rest of the
     cache NaN): a prefill of 21 tokens after 11 cached ones and two decode rows, one at a block
     edge. The Triton kernel (one launch for every row; a program's positions in one tile, or in
-    sub-tiles some of which lie past the end), the paddle reference (one key gather a request) and
-    the float64 scores of the cached keys agree; past each row's end, -inf."""
+    sub-tiles some of which lie past the end with the keys as the dot's rows), the paddle
+    reference (one key gather a request) and the float64 scores of the cached keys agree; past
+    each row's end, -inf."""
     from types import SimpleNamespace
 
     from fastdeploy.model_executor.ops.triton_ops.lightning_indexer import (

@@ -185,8 +185,9 @@ def index_logits_triton(
     krow: paddle.Tensor,
     ends: paddle.Tensor,
     width: int,
-    block_n: int = 64,
-    sub_n: int = 64,
+    block_n: int | None = None,
+    sub_n: int | None = None,
+    keys_m: bool | None = None,
 ) -> paddle.Tensor:
     """q [T, H, D], w [T, H] float32, the indexer cache, block_table int32 [B, max_blocks],
     krow int32 [T] (each query's table row), ends int [T] -> float32 [T, width]: query t against
@@ -210,6 +211,7 @@ def index_logits_triton(
         block_n=block_n,
         dot_fp8=dot_fp8,
         sub_n=sub_n,
+        keys_m=keys_m,
     )
     return out
 
