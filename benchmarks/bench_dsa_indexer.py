@@ -253,12 +253,65 @@ def key_write_case(T: int) -> dict:
     return {"T": T, "ms": ms, "gbps": nbytes / ms / 1e6}
 
 
+def reference_path_case(B: int, ctx: int) -> dict:
+    """The pick as the engine's reference path runs it (``index_logits_ref`` + ``index_topk`` in
+    paddle; here the same ops in torch, since the GPU host has no paddle): gather each key's codes
+    and scale by slot, de-quantize to float32, score, then a stable descending sort; beside the
+    Triton logits + top-k on the same inputs. CUDA-graph replays."""
+    nb = ctx // BS
+    cache = paged_cache(*fp8_keys(B * ctx))
+    table = torch.randperm(B * nb, device="cuda", dtype=torch.int32).view(B, nb)
+    q8 = torch.randn(B, H, D, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.randn(B, H, device="cuda") * H**-0.5 * D**-0.5
+    krow = torch.arange(B, device="cuda", dtype=torch.int32)
+    ends = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+    logits = torch.empty(B, ctx, device="cuda")
+    picked = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
+    pos = torch.arange(ctx, device="cuda")
+    slots = table.long()[:, pos // BS] * BS + pos % BS  # [B, ctx]
+    flat = cache.view(-1, BS * (D + 4))
+    codes = flat[:, : BS * D].reshape(-1, D)
+    scales = flat[:, BS * D :].contiguous().view(torch.float32).reshape(-1)
+    qf = q8.float()
+
+    def reference():
+        k = codes[slots].view(torch.float8_e4m3fn).float() * scales[slots][..., None]  # [B, ctx, D]
+        s = torch.einsum("bhd,bsd->bhs", qf, k).clamp_min(0)
+        score = (s * w[:, :, None]).sum(1)
+        return torch.sort(score, dim=1, descending=True, stable=True).indices[:, :TOPK]
+
+    def triton_path():
+        launch_index_logits(q8, w, cache, table, krow, ends, logits, BS, True, dot_fp8=True)
+        launch_index_topk(logits, ends, picked)
+
+    triton_path()
+    want = reference()
+    same = bool((picked.sort(1).values == want.sort(1).values.to(torch.int32)).all())
+    return {
+        "B": B,
+        "ctx": ctx,
+        "reference_ms": bench_ms(reference, graph=True),
+        "triton_ms": bench_ms(triton_path, graph=True),
+        "same_sets": same,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--before", default=None, help="an earlier lightning_indexer_kernel.py, timed beside")
+    ap.add_argument("--reference-path", action="store_true", help="only the reference path against the kernels")
     a = ap.parse_args()
+    if a.reference_path:
+        rows = []
+        for B, ctx in ((1, 4096), (1, 32768), (32, 4096), (32, 32768)):
+            rows.append(reference_path_case(B, ctx))
+            print(json.dumps(rows[-1]), flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "reference_path": rows}, f, indent=1)
+        return
     if a.before:
         load_before(a.before)
     try:

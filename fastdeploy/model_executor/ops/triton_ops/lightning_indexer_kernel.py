@@ -139,12 +139,13 @@ def _index_logits_kernel(
 
 
 def logits_tiling(T: int, L: int) -> tuple[int, int, int, bool]:
-    """(block_n, sub_n, num_warps, keys_m) for T query rows over L positions: one 64-position tile
-    a program while the programs are few, eight sub-tiles a program (q loaded once for 512
-    positions) once there are enough to fill the GPU (H100 sweep, bench_dsa_indexer.py)."""
+    """(block_n, sub_n, num_warps, keys_m) for T query rows over L positions: keys as the dot's
+    rows always (the head sum stays within a warp: 1.4-1.8x over heads as rows); one 64-position
+    tile a program while the programs are few, 512 positions in sub-tiles (q loaded once) from
+    8192 programs on. From the H100 sweep of bench_dsa_indexer.py (benchmarks/README.md)."""
     if T * triton.cdiv(L, 64) >= 8192:
-        return 512, 64, 8, False
-    return 64, 64, 4, False
+        return 512, 64, 4, True
+    return 64, 64, 4, True
 
 
 def launch_index_logits(
