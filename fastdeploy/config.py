@@ -529,8 +529,8 @@ class KernelConfig:
     mla_prefill_form: how prefill tokens attend (docs/design.md §4.7): ``mha`` (keys decompressed
     through W_UK / W_UV), ``absorbed`` (MQA over the latent, as decodes), or ``auto``: per request
     by the cost model in ``layers/attention/prefill_form.py``.
-    index_triton: DSA layers' index logits and top-k as Triton kernels (with ``triton``); off by
-    default until an H200 run has timed them (docs/design.md §4.17), so the pick runs as paddle ops.
+    index_triton: DSA layers' index key write, logits and top-k as Triton kernels (with
+    ``triton``); ``select_kernels`` turns it on where the Triton kernels run on a GPU.
     The default is the CPU reference path."""
 
     triton: bool = False

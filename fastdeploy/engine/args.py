@@ -104,9 +104,10 @@ class EngineArgs:
         MLA_PREFILL_FORMS,
     )
     index_kernel_backend: str = setting(
-        "reference",
-        "DSA (DeepSeek-V3.2) layers' index logits and top-k: reference (paddle ops) or triton (the Triton kernels, "
-        "with kernel_backend triton or auto on GPU); reference until an H200 run has timed the kernels",
+        "auto",
+        "DSA (DeepSeek-V3.2) layers' index key write, logits and top-k: reference (paddle ops), triton (the Triton "
+        "kernels, with kernel_backend triton or auto on GPU) or auto (triton where the Triton kernels run on a GPU, "
+        "else reference)",
         INDEX_KERNEL_BACKENDS,
     )
     speculative_config: str | None = setting(

@@ -14,8 +14,11 @@ the interpreter, with float32 dots).
   through it.
 - mla_prefill_form: ``auto`` (the cost model of ``layers/attention/prefill_form.py``), ``mha`` or
   ``absorbed``.
-- index_kernel_backend: DSA layers' index logits and top-k, ``reference`` (paddle ops; the
-  default until an H200 run times the kernels) or ``triton`` (with the Triton kernels).
+- index_kernel_backend: DSA layers' index key write, logits and top-k, ``auto`` (the Triton kernels
+  where Triton kernels run on a GPU, else paddle ops), ``reference`` (paddle ops) or ``triton``
+  (with the Triton kernels, the interpreter included). ``auto`` takes the kernels on a GPU since
+  the H100 run of 2026-12-07 (benchmarks/README.md: 1.9-10.6x the reference pick, except one
+  long row alone, 0.8x).
 """
 
 from __future__ import annotations
@@ -49,14 +52,14 @@ def _check_provider(name: str) -> None:
         raise ValueError("sparse_mla_provider: 'triton' needs a CUDA build of paddle or TRITON_INTERPRET=1")
 
 
-INDEX_KERNEL_BACKENDS = ("reference", "triton")
+INDEX_KERNEL_BACKENDS = ("auto", "reference", "triton")
 
 
 def select_kernels(
     kernel_backend: str = "auto",
     sparse_mla_provider: str = "auto",
     mla_prefill_form: str = "auto",
-    index_kernel_backend: str = "reference",
+    index_kernel_backend: str = "auto",
 ) -> KernelConfig:
     """Resolve the settings into a KernelConfig and log it; a ValueError names a bad setting."""
     gpu = can_run_triton() and not interpret_mode()
@@ -80,7 +83,7 @@ def select_kernels(
         triton=triton,
         sparse_mla_provider=provider,
         mla_prefill_form=mla_prefill_form,
-        index_triton=index_kernel_backend == "triton",
+        index_triton=index_kernel_backend == "triton" or (index_kernel_backend == "auto" and triton and gpu),
     )
     logger.info(
         "kernels: %s for the window indexer, the FP8 cache, MLA prefill and full layers; sparse MLA attention "

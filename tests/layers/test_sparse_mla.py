@@ -123,6 +123,18 @@ def test_bad_inputs_named(rng):
         select_kernels(sparse_mla_provider="flashmla")
 
 
+def test_index_kernels_auto_takes_them_on_a_gpu(monkeypatch):
+    """index_kernel_backend auto: the indexer kernels where the Triton kernels run on a GPU (timed
+    there against the reference pick), paddle ops where they do not or when asked."""
+    import fastdeploy.model_executor.kernel_select as ks
+
+    monkeypatch.setattr(ks, "can_run_triton", lambda: True)
+    monkeypatch.setattr(ks, "interpret_mode", lambda: False)
+    assert ks.select_kernels().index_triton
+    assert not ks.select_kernels(index_kernel_backend="reference").index_triton
+    assert not ks.select_kernels("reference").index_triton
+
+
 def test_kernel_selection_by_argument(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="fastdeploy"):
         chosen = select_kernels()
@@ -133,8 +145,8 @@ def test_kernel_selection_by_argument(monkeypatch, caplog):
     assert select_kernels("triton", "reference") == KernelConfig(triton=True, sparse_mla_provider="reference")
     with pytest.raises(ValueError, match="kernel_backend: unknown backend 'cuda'"):
         select_kernels("cuda")
-    assert select_kernels("triton", index_kernel_backend="triton").index_triton  # DSA's indexer kernels: opt-in
-    assert not select_kernels("triton").index_triton
+    assert select_kernels("triton", index_kernel_backend="triton").index_triton  # the interpreter, when asked
+    assert not select_kernels("triton").index_triton  # auto: DSA's indexer kernels only on a GPU
     with pytest.raises(ValueError, match="index_kernel_backend 'triton' needs the Triton kernels"):
         select_kernels("reference", index_kernel_backend="triton")
     with pytest.raises(ValueError, match="index_kernel_backend: unknown backend 'cuda'"):
