@@ -2,6 +2,7 @@
 
     python tools/mutation.py block_manager            # run (resumes where it stopped)
     python tools/mutation.py block_manager --report   # counts and survivors only
+    python tools/mutation.py decode_graphs --wall-clock 4  # rerun its timeouts, 4x the clean wall time
     python tools/mutation.py --list
 
 mutmut 3 reads one test selection for every file and ties each mutant to the tests that
@@ -15,11 +16,15 @@ docs/mutation.md records the counts and argues each equivalent survivor.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -52,6 +57,7 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
                 "test_capture_settings",
                 "test_one_copy_fills_the_step_buffer",
                 "test_rows_reaching_a_max_model_len_off_the_block_grid_stay_captured",
+                "test_each_bucket_is_logged_with_what_capture_did",
             )
         ],
     ),
@@ -121,6 +127,57 @@ def report(name: str) -> dict[str, int]:
     return dict(counts)
 
 
+def _run_tests(work: Path, tests: list[str], mutant: str, limit: float | None) -> tuple[str, float]:
+    """NAME's tests in its mutants/ tree with ``mutant`` active ("" for none), in a session of
+    their own so a hang is killed whole: ("passed" | "failed" | "hang", wall seconds)."""
+    env = {**os.environ, "MUTANT_UNDER_TEST": mutant} if mutant else dict(os.environ)
+    if not mutant:
+        env.pop("MUTANT_UNDER_TEST", None)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=work / "mutants", env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        rc = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "hang", time.monotonic() - started
+    return ("passed" if rc == 0 else "failed"), time.monotonic() - started
+
+
+def wall_clock_rerun(name: str, multiple: float, patterns: list[str]) -> dict[str, str]:
+    """Rerun NAME's timed-out mutants (or those matching ``patterns``) one at a time under a
+    wall-clock limit of ``multiple`` x the clean tests' wall time measured first, with the
+    current tests: mutmut's limit is CPU time, which cannot tell a test waiting on a hung rank
+    or a captured step from a slow pass. A mutant whose tests pass survives; one whose tests
+    fail or outrun the limit is killed. Results go to build/mutation/NAME/wall_clock.json."""
+    from mutmut.stats import status_by_exit_code
+
+    source, tests = TARGETS[name]
+    work = ROOT / "build" / "mutation" / name
+    shutil.copytree(ROOT / "tests", work / "mutants" / "tests", dirs_exist_ok=True)
+    codes = json.loads((work / "mutants" / (source + ".meta")).read_text())["exit_code_by_key"]
+    if patterns:
+        keys = [k for k in sorted(codes) if any(fnmatch.fnmatch(k, p) for p in patterns)]
+    else:
+        keys = [k for k in sorted(codes) if status_by_exit_code[codes[k]] == "timeout"]
+    clean, seconds = _run_tests(work, tests, "", None)
+    if clean != "passed":
+        raise SystemExit(f"{name}: the tests fail without a mutant ({clean}); fix them first")
+    limit = multiple * seconds
+    print(f"{name}: clean tests {seconds:.0f} s; {len(keys)} mutants, {limit:.0f} s each at most", flush=True)
+    out_path = work / "wall_clock.json"
+    results = json.loads(out_path.read_text()) if out_path.exists() else {}
+    for key in keys:
+        outcome, took = _run_tests(work, tests, key, limit)
+        results[key] = {"passed": "survived", "failed": "killed", "hang": "killed (hang)"}[outcome]
+        print(f"  {results[key]:14s} {took:5.0f} s  {key}", flush=True)
+        out_path.write_text(json.dumps(results, indent=1))
+    print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(Counter(results.values()).items())))
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", nargs="?", choices=sorted(TARGETS))
@@ -128,11 +185,15 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="only print the last run's counts")
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("--timeout-multiplier", type=float, help="instead of pyproject.toml's (rerun timeouts)")
+    ap.add_argument("--wall-clock", type=float, metavar="X", help="rerun timeouts at X x the clean wall time")
     ap.add_argument("mutants", nargs="*", help="rerun only these mutant names (fnmatch patterns)")
     args = ap.parse_intermixed_args()
     if args.list or not args.name:
         for name, (source, tests) in TARGETS.items():
             print(f"{name:15s} {source}\n{'':15s} " + " ".join(tests))
+        return
+    if args.wall_clock:
+        wall_clock_rerun(args.name, args.wall_clock, args.mutants)
         return
     if not args.report:
         work = _scratch(args.name, args.timeout_multiplier)

@@ -7,6 +7,7 @@ to 1e-5; over many steps that rounding feeds back through the KV, so KV and logp
 crossings (sequences >= 2W + a block, W = 32, block 16), SWA block release, preemption, prefix
 hits and an n > 1 sibling; and the decode step never syncs the host."""
 
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -406,3 +407,21 @@ def test_rows_reaching_a_max_model_len_off_the_block_grid_stay_captured(tiny_mod
     assert outs[0] == outs[1]
     assert [len(p) + len(outs[0][f"r{i}"][0]) for i, p in enumerate(prompts)] == [200, 200]
     assert decodes > 0 and eng.runner.graphs.replays == decodes
+    graphs = eng.runner.graphs  # 13 blocks a row fit the bucket's tables; 14 do not
+    step = StepInputs(
+        [5, 6], [0, 0], [3, 199], {g: [[1], list(range(13))] for g in graphs.null_block}, [0, 1], [[0], [1]]
+    )
+    assert graphs.takes(step)
+    assert not graphs.takes(replace(step, block_tables={g: [[1], list(range(14))] for g in graphs.null_block}))
+
+
+def test_each_bucket_is_logged_with_what_capture_did(tiny_model_dir, caplog):
+    """Start-up logs one line a bucket: its size, prepared (no CUDA here) or captured, the seconds
+    it took and the device memory it holds (none without CUDA)."""
+    with caplog.at_level("INFO", logger="fastdeploy"):
+        LLM(tiny_model_dir, block_size=16, cuda_graph_batch_sizes="1,2", cuda_graph_capture=True)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode bucket")]
+    pattern = r"decode bucket (\d+) prepared \(no CUDA: re-run at each step\) in (\d+\.\d\d) s \(0\.0 MiB\)"
+    found = [re.fullmatch(pattern, line) for line in lines]
+    assert all(found) and sorted(int(m.group(1)) for m in found) == [1, 2], lines
+    assert all(0 <= float(m.group(2)) < 600 for m in found)
