@@ -127,6 +127,18 @@ def report(name: str) -> dict[str, int]:
     return dict(counts)
 
 
+def _tests_for(work: Path, tests: list[str], mutant: str) -> list[str]:
+    """The tests mutmut's stats tie to ``mutant``'s function, fastest first (so a failing one
+    stops the run early); NAME's whole selection where there are no stats."""
+    stats = work / "mutants" / "mutmut-stats.json"
+    if not stats.exists():
+        return tests
+    data = json.loads(stats.read_text())
+    function = mutant.rsplit("__mutmut_", 1)[0]
+    chosen = data["tests_by_mangled_function_name"].get(function)
+    return sorted(chosen, key=lambda t: data["duration_by_test"].get(t, 0.0)) if chosen else tests
+
+
 def _run_tests(work: Path, tests: list[str], mutant: str, limit: float | None) -> tuple[str, float]:
     """NAME's tests in its mutants/ tree with ``mutant`` active ("" for none), in a session of
     their own so a hang is killed whole: ("passed" | "failed" | "hang", wall seconds)."""
@@ -146,12 +158,14 @@ def _run_tests(work: Path, tests: list[str], mutant: str, limit: float | None) -
     return ("passed" if rc == 0 else "failed"), time.monotonic() - started
 
 
-def wall_clock_rerun(name: str, multiple: float, patterns: list[str]) -> dict[str, str]:
-    """Rerun NAME's timed-out mutants (or those matching ``patterns``) one at a time under a
-    wall-clock limit of ``multiple`` x the clean tests' wall time measured first, with the
-    current tests: mutmut's limit is CPU time, which cannot tell a test waiting on a hung rank
-    or a captured step from a slow pass. A mutant whose tests pass survives; one whose tests
-    fail or outrun the limit is killed. Results go to build/mutation/NAME/wall_clock.json."""
+def wall_clock_rerun(name: str, multiple: float, patterns: list[str], skip_done: bool = False) -> dict[str, str]:
+    """Rerun NAME's timed-out mutants (or those matching ``patterns``) one at a time, each in a
+    fresh process under a wall-clock limit of ``multiple`` x the clean tests' wall time measured
+    first, with the current tests. mutmut's workers are forked from a process that has imported
+    paddle, whose thread pools can hold a lock at the fork: such a worker waits in a futex
+    forever at a few % CPU, and mutmut's CPU-time limit reports a "timeout" only after many
+    minutes, or never. A mutant whose tests pass survives; one whose tests fail or outrun the
+    limit is killed. Results go to build/mutation/NAME/wall_clock.PID.json."""
     from mutmut.stats import status_by_exit_code
 
     source, tests = TARGETS[name]
@@ -162,20 +176,32 @@ def wall_clock_rerun(name: str, multiple: float, patterns: list[str]) -> dict[st
         keys = [k for k in sorted(codes) if any(fnmatch.fnmatch(k, p) for p in patterns)]
     else:
         keys = [k for k in sorted(codes) if status_by_exit_code[codes[k]] == "timeout"]
+    if skip_done:
+        done = wall_clock_results(name)
+        keys = [k for k in keys if k not in done]
     clean, seconds = _run_tests(work, tests, "", None)
     if clean != "passed":
         raise SystemExit(f"{name}: the tests fail without a mutant ({clean}); fix them first")
     limit = multiple * seconds
     print(f"{name}: clean tests {seconds:.0f} s; {len(keys)} mutants, {limit:.0f} s each at most", flush=True)
-    out_path = work / "wall_clock.json"
-    results = json.loads(out_path.read_text()) if out_path.exists() else {}
+    out_path = work / f"wall_clock.{os.getpid()}.json"  # one file a run: runs may go side by side
+    results: dict[str, str] = {}
     for key in keys:
-        outcome, took = _run_tests(work, tests, key, limit)
+        outcome, took = _run_tests(work, _tests_for(work, tests, key), key, limit)
         results[key] = {"passed": "survived", "failed": "killed", "hang": "killed (hang)"}[outcome]
         print(f"  {results[key]:14s} {took:5.0f} s  {key}", flush=True)
         out_path.write_text(json.dumps(results, indent=1))
-    print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(Counter(results.values()).items())))
+    every = wall_clock_results(name)
+    print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(Counter(every.values()).items())))
     return results
+
+
+def wall_clock_results(name: str) -> dict[str, str]:
+    """Every wall-clock rerun of NAME so far, the latest verdict of each mutant."""
+    merged: dict[str, str] = {}
+    for path in sorted((ROOT / "build" / "mutation" / name).glob("wall_clock*.json"), key=lambda p: p.stat().st_mtime):
+        merged.update(json.loads(path.read_text()))
+    return merged
 
 
 def main() -> None:
@@ -186,6 +212,7 @@ def main() -> None:
     ap.add_argument("--max-children", type=int, default=2)
     ap.add_argument("--timeout-multiplier", type=float, help="instead of pyproject.toml's (rerun timeouts)")
     ap.add_argument("--wall-clock", type=float, metavar="X", help="rerun timeouts at X x the clean wall time")
+    ap.add_argument("--skip-done", action="store_true", help="with --wall-clock: leave out mutants already rerun")
     ap.add_argument("mutants", nargs="*", help="rerun only these mutant names (fnmatch patterns)")
     args = ap.parse_intermixed_args()
     if args.list or not args.name:
@@ -193,7 +220,7 @@ def main() -> None:
             print(f"{name:15s} {source}\n{'':15s} " + " ".join(tests))
         return
     if args.wall_clock:
-        wall_clock_rerun(args.name, args.wall_clock, args.mutants)
+        wall_clock_rerun(args.name, args.wall_clock, args.mutants, args.skip_done)
         return
     if not args.report:
         work = _scratch(args.name, args.timeout_multiplier)
