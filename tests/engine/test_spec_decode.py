@@ -195,6 +195,26 @@ def test_seeded_sampling_unchanged_by_speculation(mtp_model_dir, rng):
     assert eng.spec.num_accepted_tokens > 0
 
 
+def test_a_verify_row_that_cannot_sample_fails_only_what_it_must(rng):
+    """Greedy verify of three requests with two drafts each, some rows non-finite: a request whose
+    first row fails gets the error; one whose second row fails keeps the draft accepted before it
+    (the tokens of rows that sampled stand); the third is untouched."""
+    V = 9
+    logits = rng.standard_normal((9, V)).astype(np.float32)
+    drafts = [[int(np.argmax(logits[3 * b + j])) for j in range(2)] for b in range(3)]
+    logits[0, 4] = np.nan  # request 0's first row
+    logits[3 + 1, 2] = np.inf  # request 1's second row, after its first draft is accepted
+    reqs = []
+    for b in range(3):
+        r = Request(f"r{b}", [1, 2], SamplingParams(temperature=0.0, max_tokens=8))
+        r.draft_token_ids = list(drafts[b])
+        reqs.append(r)
+    res = verify_drafts(DeviceSampler(V, 3, triton=False), paddle.to_tensor(logits), reqs, [0, 3, 6], drafts)
+    assert isinstance(res[0], ValueError) and "not finite" in str(res[0])
+    assert [s.token_id for s in res[1]] == drafts[1][:1]
+    assert [s.token_id for s in res[2]] == [*drafts[2], int(np.argmax(logits[8]))]
+
+
 def test_rejection_sampling_keeps_the_target_distribution(rng):
     """verify_drafts over many seeded rows of one small-vocabulary distribution per depth, with
     temperature, top-p and penalties: the first token, the second given the first draft accepted
