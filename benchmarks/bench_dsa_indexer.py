@@ -37,8 +37,7 @@ from fastdeploy.model_executor.ops.triton_ops.sparse_mla_kernel import (  # noqa
 )
 
 H, D, BS, TOPK = 64, 128, 64, 2048
-# (block_n, sub_n, num_warps) of the logits kernel: the first is the default, the rest timed beside
-# (block_n, sub_n, num_warps, keys_m) of the logits kernel
+# (block_n, sub_n, num_warps, keys_m) of the logits kernel, each timed beside the library's tiling
 TILINGS = [(64, 64, 4, False), (512, 64, 8, False), (1024, 64, 8, False), (64, 64, 4, True), (512, 64, 4, True),
            (512, 64, 8, True), (1024, 64, 8, True), (512, 128, 8, True)]  # fmt: skip
 TOPK_TILES = [(2048, 4), (4096, 8), (8192, 16)]  # (tile, num_warps)
@@ -86,15 +85,38 @@ def paged_cache(codes, scale):
     return flat.view(pages, BS, 1, D + 4)
 
 
-def decode_case(B: int, ctx: int, dg) -> dict:
+def page_views(cache):
+    """A paged index cache as per-slot views: e4m3 codes uint8 [slots, D], scales float32 [slots]."""
+    flat = cache.view(-1, BS * (D + 4))
+    return flat[:, : BS * D].reshape(-1, D), flat[:, BS * D :].contiguous().view(torch.float32).reshape(-1)
+
+
+def position_slots(table, ctx: int):
+    """Each table row's cache slots of positions 0..ctx-1: int64 [rows, ctx]."""
+    pos = torch.arange(ctx, device="cuda")
+    return table.long()[:, pos // BS] * BS + pos % BS
+
+
+def same_sets(picked, want) -> bool:
+    """Whether each row of two picks holds the same positions, in any order."""
+    return bool((picked.sort(1).values == want.sort(1).values.to(torch.int32)).all())
+
+
+def decode_rows(B: int, ctx: int):
+    """B requests at context ctx, one decode query each: (cache, block table int32 [B, ctx / 64],
+    q e4m3 [B, H, D], w float32 [B, H], krow int32 [B], ends int64 [B]), pages in random order."""
     nb = ctx // BS
-    codes, scale = fp8_keys(B * ctx)
-    cache = paged_cache(codes, scale)
+    cache = paged_cache(*fp8_keys(B * ctx))
     table = torch.randperm(B * nb, device="cuda", dtype=torch.int32).view(B, nb)
     q = torch.randn(B, H, D, device="cuda").to(torch.float8_e4m3fn)
     w = torch.randn(B, H, device="cuda") * H**-0.5 * D**-0.5
     krow = torch.arange(B, device="cuda", dtype=torch.int32)
     ends = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+    return cache, table, q, w, krow, ends
+
+
+def decode_case(B: int, ctx: int, dg) -> dict:
+    cache, table, q, w, krow, ends = decode_rows(B, ctx)
     out = torch.full((B, ctx), float("nan"), device="cuda")
 
     def ours(cfg=(None, None, None, None)):  # the library's tiling unless given
@@ -119,7 +141,7 @@ def decode_case(B: int, ctx: int, dg) -> dict:
     picked = torch.full((B, TOPK), -2, device="cuda", dtype=torch.int32)
     launch_index_topk(out, ends, picked)
     want = torch.topk(out, TOPK, dim=1).indices
-    row["topk_same_sets"] = bool((picked.sort(1).values == want.sort(1).values.to(torch.int32)).all())
+    row["topk_same_sets"] = same_sets(picked, want)
     row["topk_ms"] = bench_ms(lambda: launch_index_topk(out, ends, picked), mode="median")
     row["topk_tiles"] = variants(lambda c: launch_index_topk(out, ends, picked, *c), TOPK_TILES)
     if BEFORE:
@@ -155,10 +177,10 @@ def prefill_case(T: int, ctx: int, dg) -> dict:
     row["ours_tflops"], row["ours_gbps"] = flops / row["ours_ms"] / 1e9, nbytes / row["ours_ms"] / 1e6
     if dg is not None:
         # DeepGEMM reads the keys gathered in position order: codes [ctx, D] e4m3 and scales [ctx]
-        slots = table[0].long()[torch.arange(ctx, device="cuda") // BS] * BS + torch.arange(ctx, device="cuda") % BS
-        flat = cache.view(-1, BS * (D + 4))
-        g_codes = flat[:, : BS * D].reshape(-1, D)[slots].view(torch.float8_e4m3fn).contiguous()
-        g_scale = flat[:, BS * D :].contiguous().view(torch.float32).reshape(-1)[slots].contiguous()
+        slots = position_slots(table, ctx)[0]
+        codes, scales = page_views(cache)
+        g_codes = codes[slots].view(torch.float8_e4m3fn).contiguous()
+        g_scale = scales[slots].contiguous()
         ks = torch.zeros(T, device="cuda", dtype=torch.int32)
         ke = ends.to(torch.int32)
 
@@ -188,14 +210,8 @@ def layer_case(B: int, ctx: int, heads: int, fm) -> dict:
     """The DSA layer's attention at decode: index logits over the paged index keys, the top 2048,
     positions to slots, sparse MLA over the picked FP8 records (heads x 576), as the backend runs
     them; beside FlashMLA's sparse decode alone over the same slots. Both as CUDA-graph replays."""
-    nb = ctx // BS
-    icache = paged_cache(*fp8_keys(B * ctx))
-    mla = random_records(B * ctx).view(B * nb, BS, 1, 656)
-    table = torch.randperm(B * nb, device="cuda", dtype=torch.int32).view(B, nb)
-    qi = torch.randn(B, H, D, device="cuda").to(torch.float8_e4m3fn)
-    w = torch.randn(B, H, device="cuda") * H**-0.5 * D**-0.5
-    krow = torch.arange(B, device="cuda", dtype=torch.int32)
-    ends = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+    icache, table, qi, w, krow, ends = decode_rows(B, ctx)
+    mla = random_records(B * ctx).view(B * (ctx // BS), BS, 1, 656)
     logits = torch.empty(B, ctx, device="cuda")
     picked = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
     q = (torch.randn(B, heads, 576, device="cuda") * 0.5).bfloat16()
@@ -258,20 +274,11 @@ def reference_path_case(B: int, ctx: int) -> dict:
     paddle; here the same ops in torch, since the GPU host has no paddle): gather each key's codes
     and scale by slot, de-quantize to float32, score, then a stable descending sort; beside the
     Triton logits + top-k on the same inputs. CUDA-graph replays."""
-    nb = ctx // BS
-    cache = paged_cache(*fp8_keys(B * ctx))
-    table = torch.randperm(B * nb, device="cuda", dtype=torch.int32).view(B, nb)
-    q8 = torch.randn(B, H, D, device="cuda").to(torch.float8_e4m3fn)
-    w = torch.randn(B, H, device="cuda") * H**-0.5 * D**-0.5
-    krow = torch.arange(B, device="cuda", dtype=torch.int32)
-    ends = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+    cache, table, q8, w, krow, ends = decode_rows(B, ctx)
     logits = torch.empty(B, ctx, device="cuda")
     picked = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
-    pos = torch.arange(ctx, device="cuda")
-    slots = table.long()[:, pos // BS] * BS + pos % BS  # [B, ctx]
-    flat = cache.view(-1, BS * (D + 4))
-    codes = flat[:, : BS * D].reshape(-1, D)
-    scales = flat[:, BS * D :].contiguous().view(torch.float32).reshape(-1)
+    slots = position_slots(table, ctx)
+    codes, scales = page_views(cache)
     qf = q8.float()
 
     def reference():
@@ -286,13 +293,12 @@ def reference_path_case(B: int, ctx: int) -> dict:
 
     triton_path()
     want = reference()
-    same = bool((picked.sort(1).values == want.sort(1).values.to(torch.int32)).all())
     return {
         "B": B,
         "ctx": ctx,
         "reference_ms": bench_ms(reference, graph=True),
         "triton_ms": bench_ms(triton_path, graph=True),
-        "same_sets": same,
+        "same_sets": same_sets(picked, want),
     }
 
 
