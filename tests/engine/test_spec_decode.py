@@ -286,7 +286,7 @@ def test_deeper_drafts_continue_the_first(mtp_model_dir, rng):
     """k = 3 on the fitted MTP layer, greedy: a second draft (fed the first draft at the next
     position, over the draft pass's own hidden state) is accepted for most accepted first drafts,
     and a third for many accepted second ones, far above chance (1 / 500 a guess). A chain pass
-    at a wrong position, with a wrong token or attending as a prefill drafts noise past the first."""
+    at a wrong position or fed a wrong token drafts noise past the first."""
     eng = engine(mtp_model_dir, 3)
     prompts = {f"p{i}": [int(x) for x in rng.integers(4, 256, 16)] for i in range(4)}
     drive(
