@@ -465,6 +465,11 @@ def head_and_sampler_ms(B: int, tp: int, g: torch.Generator) -> float:
     return events_ms(step)
 
 
+def stack_ms(per: dict, key: str, swa_fraction: float) -> float:
+    """The 61 layers of a step from one SWA and one full layer's times (``per[kind][key]``)."""
+    return LAYERS * (swa_fraction * per["swa"][key] + (1 - swa_fraction) * per["full"][key])
+
+
 # tokens a verify step of k drafts yields: the fitted tiny model's per-position acceptance
 # (README's MTP table, batch 1) and DeepSeek-V3's reported first-draft acceptance (k = 1 only)
 TOKENS_A_STEP = {"fitted": {1: 1.69, 2: 2.17, 3: 2.38}, "deepseek": {1: 1.85}}
@@ -494,8 +499,7 @@ def verify_rows(a, g: torch.Generator) -> None:
             print(
                 f"| 8 | {B} | 4096 | {base['kind']} | {base['graph_ms']:.3f} | " + " | ".join(cells) + " |", flush=True
             )
-        f = a.swa_fraction
-        layers = {key: LAYERS * (f * per["swa"][key] + (1 - f) * per["full"][key]) for key in per["swa"] if "ms" in key}
+        layers = {key: stack_ms(per, key, a.swa_fraction) for key in per["swa"] if "ms" in key}
         proj = {"B": B, "decode_ms_token": layers["decode_ms"] + head_and_sampler_ms(B, 8, g)}
         for k in ks:
             step = layers[f"verify_k{k}_ms"] + k * per["full"]["decode_ms"] + head_and_sampler_ms(B * (k + 1), 8, g)
@@ -584,8 +588,8 @@ def main() -> None:
                     )
                 tail = head_and_sampler_ms(B, tp, g)
 
-                def tpot_of(key: str, f: float = a.swa_fraction, per: dict = per, tail: float = tail) -> float:
-                    return LAYERS * (f * per["swa"][key] + (1 - f) * per["full"][key]) + tail
+                def tpot_of(key: str, per: dict = per, tail: float = tail) -> float:
+                    return stack_ms(per, key, a.swa_fraction) + tail
 
                 tpot = tpot_of("graph_ms")
                 row = {"tp": tp, "B": B, "ctx": ctx, "tpot_ms": tpot}
