@@ -142,9 +142,10 @@ def _tests_for(work: Path, tests: list[str], mutant: str) -> list[str]:
 def _run_tests(work: Path, tests: list[str], mutant: str, limit: float | None) -> tuple[str, float]:
     """NAME's tests in its mutants/ tree with ``mutant`` active ("" for none), in a session of
     their own so a hang is killed whole: ("passed" | "failed" | "hang", wall seconds)."""
-    env = {**os.environ, "MUTANT_UNDER_TEST": mutant} if mutant else dict(os.environ)
-    if not mutant:
-        env.pop("MUTANT_UNDER_TEST", None)
+    env = dict(os.environ)
+    env.pop("MUTANT_UNDER_TEST", None)
+    if mutant:
+        env["MUTANT_UNDER_TEST"] = mutant
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=work / "mutants", env=env, stdout=subprocess.DEVNULL,
