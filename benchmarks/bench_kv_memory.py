@@ -85,15 +85,15 @@ class Watch:
 
     def __init__(self, llm: LLM) -> None:
         self.peak_swa = self.peak_full = 0
-        inner = llm.engine.runner.execute
+        inner = llm.engine.runner.prepare
 
-        def execute(scheduled):
+        def prepare(scheduled):
             for req, _ in scheduled:
                 self.peak_swa = max(self.peak_swa, sum(b >= 0 for b in req.block_tables.get("swa", [])))
                 self.peak_full = max(self.peak_full, len(req.block_tables.get("full", [])))
             return inner(scheduled)
 
-        llm.engine.runner.execute = execute
+        llm.engine.runner.prepare = prepare
 
 
 def engine_bound(tmp: str) -> list[dict]:

@@ -429,6 +429,7 @@ class SchedulerConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # pure-decode batch buckets, ascending (docs/design.md §4.12)
     enforce_eager: bool = False
     cuda_graph_capture: bool = False  # capture each bucket's decode step (docs/design.md §4.11)
+    async_scheduling: bool = True  # build step N+1 while step N runs (docs/design.md §4.18)
 
     def __post_init__(self) -> None:
         for k in ("max_num_seqs", "max_num_batched_tokens"):
@@ -440,6 +441,12 @@ class SchedulerConfig:
                 f"cuda_graph_batch_sizes must be ascending distinct batch sizes in 1..max_num_seqs "
                 f"({self.max_num_seqs}), got {list(sizes)}"
             )
+
+    @property
+    def swa_chunk_tokens(self) -> int:
+        """The most tokens past its window a request's SWA blocks cover: one step's budget, or
+        with async scheduling two (the running step's window stays until that step is taken)."""
+        return self.max_num_batched_tokens * (2 if self.async_scheduling else 1)
 
     def bucket_for(self, n: int) -> int:
         """The batch size a pure-decode step of n requests runs as: the smallest bucket >= n, or

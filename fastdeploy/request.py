@@ -73,6 +73,11 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by position as the prompt is computed
     prompt_ranks: list[int | None] | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # the draft model's guesses of the next tokens
+    # the overlapped loop (docs/design.md §4.18): tokens sampled by launched steps the host has not
+    # taken yet (the scheduler counts them, step inputs hold placeholders for them), and tokens
+    # counted as computed whose steps have not been taken yet (a failed step is retried from them)
+    pending_tokens: int = 0
+    inflight_tokens: int = 0
 
     def __post_init__(self) -> None:
         sp = self.sampling_params
@@ -108,6 +113,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens known or pending whose KV is not computed (or launched) yet."""
+        return self.num_tokens + self.pending_tokens - self.num_computed_tokens
 
     def draft_room(self, max_model_len: int, new_tokens: int = 0) -> int:
         """Drafts the next step could verify once ``new_tokens`` more are appended: a step
@@ -148,13 +158,18 @@ class Request:
         )
 
 
-def sampling_batch(reqs: Sequence[Request], pending: Sequence[list[int]] | None = None) -> SamplingBatch:
+def sampling_batch(
+    reqs: Sequence[Request], pending: Sequence[list[int]] | None = None, outputs: Sequence[list[int]] | None = None
+) -> SamplingBatch:
     """The sampler's view of ``reqs``; ``pending[b]``: tokens of request b accepted in this step
-    before the row it samples (speculative verification), counted as its output. A request with
-    none pending lends its own output list (no copy a row a step)."""
+    before the row it samples (speculative verification), counted as its output; ``outputs[b]``:
+    its output ids as the step sees them (default ``output_token_ids``; the overlapped loop passes
+    a snapshot taken at launch plus the tokens the step before sampled). A request with nothing
+    pending lends its list (no copy a row a step)."""
+    outs = outputs if outputs is not None else [r.output_token_ids for r in reqs]
     return SamplingBatch(
         [r.request_id for r in reqs],
         [r.sampling_state for r in reqs],
         [r.prompt_token_ids for r in reqs],
-        [r.output_token_ids + pending[b] if pending and pending[b] else r.output_token_ids for b, r in enumerate(reqs)],
+        [outs[b] + pending[b] if pending and pending[b] else outs[b] for b in range(len(reqs))],
     )

@@ -153,13 +153,15 @@ class BlockManager:
         return hit
 
     def release(self, req: Request) -> int:
-        """Return the SWA blocks no query from the request's next position on can see; returns
-        how many. Their table entries become -1; the blocks keep their hashes."""
+        """Return the SWA blocks no query from the request's next position on can see, counting
+        from its first token whose step has not been taken (that step may fail and be retried;
+        its blocks get their hashes when it is taken); returns how many. Their table entries
+        become -1; the blocks keep their hashes."""
         swa = self.pools.get(SWA_GROUP)
         if swa is None or not self.release_swa:
             return 0
         table = self._tables(req)[SWA_GROUP]
-        released, end = 0, min(self.first_visible_block(req.num_computed_tokens), len(table))
+        released, end = 0, min(self.first_visible_block(req.num_computed_tokens - req.inflight_tokens), len(table))
         for j in range(req.swa_released_upto, end):
             if table[j] >= 0:
                 swa.unref(table[j])
@@ -184,11 +186,12 @@ class BlockManager:
             tables[g] += [pool.take() for _ in range(need[g])]
         return True
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's computed full blocks for prefix reuse, in every group."""
+    def cache_full_blocks(self, req: Request, num_computed: int | None = None) -> None:
+        """Register the request's full blocks among its first ``num_computed`` tokens (default:
+        its computed tokens; steps still running do not count) for prefix reuse, in every group."""
         if not self.enable_prefix_caching:
             return
-        n_full = req.num_computed_tokens // self.block_size
+        n_full = (req.num_computed_tokens if num_computed is None else num_computed) // self.block_size
         hashes = self.block_hashes(req, n_full)
         for g, pool in self.pools.items():
             for b, h in zip(self._tables(req)[g][:n_full], hashes, strict=True):

@@ -156,6 +156,17 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x[self.rank * n : (self.rank + 1) * n]
 
+    def broadcast(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The driver's x on every rank (in place on x, of the same shape everywhere; returns x):
+        a device collective, queued behind the work before it like any kernel."""
+        if self.world_size == 1:
+            return x
+        import paddle.distributed as dist
+
+        with self.activity.collective():
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """The driver's obj on every rank (pickled through two broadcasts: length, then bytes)."""
         if self.world_size == 1:

@@ -96,6 +96,11 @@ class EngineArgs:
         "elsewhere the captured step is re-run, which checks its contract and saves nothing); off by default until "
         "timed on a CUDA build of paddle; not with speculative decoding",
     )
+    async_scheduling: bool = setting(
+        True,
+        "overlap the host's work with the device's: step N+1 is scheduled and built while step N runs, and step N's "
+        "outputs are taken while N+1 runs (tokens unchanged); --no-async-scheduling runs each step in turn",
+    )
     mla_prefill_form: str = setting(
         "auto",
         "how prefill tokens attend: mha (keys decompressed, 192/128 wide per head), absorbed (MQA over the "
@@ -145,6 +150,7 @@ class EngineArgs:
                 ),
                 enforce_eager=self.enforce_eager,
                 cuda_graph_capture=self.cuda_graph_capture,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, dist_timeout=self.dist_timeout

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 
 from fastdeploy.cache_manager.block_manager import BlockManager
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
@@ -18,10 +19,12 @@ from fastdeploy.engine.args import EngineArgs
 from fastdeploy.engine.metrics import SpecDecodeStats
 from fastdeploy.input.grammar import GrammarEngine
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
-from fastdeploy.request import Request, RequestOutput
+from fastdeploy.request import Request, RequestOutput, RequestStatus
 from fastdeploy.sampling_params import SamplingParams
-from fastdeploy.scheduler.scheduler import Scheduler
-from fastdeploy.worker.gpu_model_runner import GPUModelRunner
+from fastdeploy.scheduler.scheduler import Scheduler, SchedulerOutput
+from fastdeploy.worker.gpu_model_runner import GPUModelRunner, PreparedStep, RunningStep
+from fastdeploy.worker.prompt_logprobs import PromptLogprobs, record_prompt_logprobs
+from fastdeploy.worker.speculation import Results
 from fastdeploy.worker.tp_worker import encode_config
 
 logger = logging.getLogger("fastdeploy")
@@ -31,7 +34,8 @@ EXIT_GRACE_S = 5.0  # after a rank fails: time for the server to answer waiting 
 
 def check_kv_capacity(num_blocks: dict[str, int], block_size: int, max_model_len: int, fd: FDConfig) -> None:
     """Every request must fit alone: max_model_len tokens in the full pool, and in the SWA pool
-    the most blocks one request holds at once (its window plus a chunk, at most its length)."""
+    the most blocks one request holds at once (its window plus a chunk, at most its length;
+    overlapped, two chunks: the running step's window stays until that step is taken)."""
     full = num_blocks.get(FULL_GROUP)
     if full is not None and full * block_size < max_model_len:
         raise ValueError(
@@ -40,7 +44,7 @@ def check_kv_capacity(num_blocks: dict[str, int], block_size: int, max_model_len
         )
     swa = num_blocks.get(SWA_GROUP)
     if swa is not None:
-        chunk = fd.scheduler_config.max_num_batched_tokens
+        chunk = fd.scheduler_config.swa_chunk_tokens
         one = min(
             swa_blocks_per_request(fd.model_config.sliding_window, chunk, block_size), -(-max_model_len // block_size)
         )
@@ -50,6 +54,24 @@ def check_kv_capacity(num_blocks: dict[str, int], block_size: int, max_model_len
                 f"{fd.model_config.sliding_window} + chunk {chunk}); raise --swa-full-tokens-ratio or "
                 "--num-gpu-blocks-override, or lower --max-num-batched-tokens"
             )
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step handed to the device: how it was prepared, each request's drafts in it, the indices
+    of the requests that sample, and the runner's running step (or the exception launching it
+    raised)."""
+
+    prep: PreparedStep
+    drafts: list[int]
+    samples: set[int]
+    running: RunningStep | Exception
+
+    def finish(self, runner: GPUModelRunner) -> tuple[Results, PromptLogprobs | None]:
+        """Its results and prompt logprobs (waits for the device); raises what the step raised."""
+        if isinstance(self.running, Exception):
+            raise self.running
+        return runner.finish(self.running)
 
 
 class LLMEngine:
@@ -101,6 +123,7 @@ class LLMEngine:
         self.num_preemptions = 0
         self.num_request_errors = 0
         self.finish_listeners: list = []  # callables(request_id, reason) for aborted or failed requests
+        self.in_flight: Launched | None = None  # the step launched last, not yet taken (overlapped loop)
 
     def _rank_failed(self, why: str) -> None:
         """Another rank died or stopped answering: report it, then exit (this rank may be blocked
@@ -196,39 +219,114 @@ class LLMEngine:
         return live
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler + model step; outputs of the requests that produced a token."""
+        """One step's outputs: those of the requests that produced a token. In order (sync), a
+        step is scheduled, run and its outputs taken. Overlapped (docs/design.md §4.18), the
+        step launched last call is still running: the next one is scheduled and launched behind
+        it (its pending tokens as placeholders), then the running one's outputs are taken while
+        the next computes; a step that needs the host to know every token first (speculation,
+        structured outputs) is launched only after the outputs before it are taken."""
+        if self.in_flight is None:
+            self.in_flight = self._launch(self._schedule())
+        running, self.in_flight = self.in_flight, None
+        if self.config.scheduler_config.async_scheduling and self._may_overlap(running):
+            sched = self._schedule()
+            if sched.scheduled:
+                self.in_flight = self._launch(sched)
+        return self._take(running)
+
+    def _may_overlap(self, running: Launched) -> bool:
+        """Whether the next step may be launched before the running one's tokens are on the host:
+        not behind a step that failed to launch, not with speculation (its drafts and lengths
+        come from those tokens), nor while a request has a structured-output matcher (its next
+        mask does)."""
+        return (
+            not isinstance(running.running, Exception)
+            and not self.spec.k
+            and all(r.matcher is None for r in self.requests.values())
+        )
+
+    def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         self.preempted_log.extend(sched.preempted)
+        return sched
+
+    def _launch(self, sched: SchedulerOutput) -> Launched:
+        """Hand a scheduled step to the device (the device thread, or here when in order): its
+        inputs are built now, then each request counts the step's tokens as computed and its
+        sample as pending."""
+        prep = self.runner.prepare(sched.scheduled)
         drafts = [req.num_drafts(n) for req, n in sched.scheduled]  # before the runner proposes new ones
+        samples = set(prep.step.samples_at)
+        for i, ((req, n), m) in enumerate(zip(sched.scheduled, drafts, strict=True)):
+            req.num_computed_tokens += n - m
+            req.inflight_tokens += n - m
+            req.pending_tokens += i in samples
         try:
-            results = self.runner.execute(sched.scheduled)
+            running: RunningStep | Exception = self.runner.launch(prep)
+        except Exception as e:  # noqa: BLE001 - pinned to its requests in _take
+            running = e
+        return Launched(prep, drafts, samples, running)
+
+    def _roll_back(self, launched: Launched) -> None:
+        """Undo a launch's counting (its step failed or was thrown away)."""
+        each = zip(launched.prep.scheduled, launched.prep.starts, launched.drafts, strict=True)
+        for i, ((req, n), start, m) in enumerate(each):
+            if not req.is_finished and req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens = start
+            req.inflight_tokens -= n - m
+            req.pending_tokens -= i in launched.samples
+
+    def _take(self, launched: Launched) -> list[RequestOutput]:
+        """The outputs of a launched step, once it has run: tokens appended, stops checked, blocks
+        registered for prefix reuse. A step that failed as a whole is retried request by request
+        (a step launched behind it is thrown away first, its work undone)."""
+        scheduled, prep = launched.prep.scheduled, launched.prep
+        try:
+            results, prompt = launched.finish(self.runner)
         except Exception:  # noqa: BLE001 - pinned to requests below; the engine keeps serving
             dead = [r for r, p in enumerate(self.tp.workers, start=1) if p.poll() is not None]
             if dead:  # not the requests' fault: a rank is gone
                 self._rank_failed(f"tensor-parallel rank {dead[0]} exited during a step")
-            logger.exception("engine step of %d requests failed; retrying them one by one", len(sched.scheduled))
-            results = [self._execute_alone(req, n) for req, n in sched.scheduled]
+            logger.exception("engine step of %d requests failed; retrying them one by one", len(scheduled))
+            if self.in_flight is not None:  # built on this step's tokens
+                behind, self.in_flight = self.in_flight, None
+                try:  # its outputs are not used; its device work must be done before a retry
+                    behind.finish(self.runner)
+                except Exception:  # noqa: BLE001 - as expected: built on a failed step
+                    pass
+                self._roll_back(behind)
+            self._roll_back(launched)
+            results, prompt = [self._execute_alone(req, n) for req, n in scheduled], None
+        if prompt is not None:
+            record_prompt_logprobs(scheduled, prep.starts, prompt)
         now = time.monotonic()
         outputs = []
-        for (req, n), res, m in zip(sched.scheduled, results, drafts, strict=True):
+        each = zip(scheduled, prep.starts, results, launched.drafts, strict=True)
+        for i, ((req, n), start, res, m) in enumerate(each):
+            if req.is_finished:  # finished or aborted while this step ran: its row was computed for nothing
+                continue
             if isinstance(res, Exception):
                 outputs.append(self._fail(req, res))
                 continue
-            start = req.num_computed_tokens
+            req.inflight_tokens -= n - m
+            req.pending_tokens -= i in launched.samples
+            running = req.status == RequestStatus.RUNNING  # else preempted since (its blocks are gone)
             if res is None:
-                req.num_computed_tokens = start + n
-                self.block_manager.cache_full_blocks(req)
+                if running:
+                    self.block_manager.cache_full_blocks(req, start + n)
                 continue
             if m:
                 self.spec.record(m, len(res) - 1)
+            base = start + n - m
             for j, sample in enumerate(res):  # accepted drafts, then the target's own token
-                # tokens computed: the step's own, and the drafts accepted before this one (§4.16)
-                req.num_computed_tokens = start + n - m + j
-                self.block_manager.cache_full_blocks(req)
+                if m:  # tokens computed: the step's own, and the drafts accepted before this one (§4.16)
+                    req.num_computed_tokens = base + j
+                if running:
+                    self.block_manager.cache_full_blocks(req, base + j)
                 if not self._append(req, sample, now):
                     break
             if req.finish_reason != "error":
@@ -260,12 +358,18 @@ class LLMEngine:
         return not req.is_finished
 
     def _execute_alone(self, req: Request, n: int):
-        """One request's part of a failed step, run alone: its result, or the exception it raises.
+        """One request's part of a failed step, run alone: its result (launched as ``_take``
+        expects: the tokens counted, the sample pending), or the exception it raises (undone).
         Re-running writes the same KV values to the same slots, so the retry is safe."""
+        launched = self._launch(SchedulerOutput([(req, n)]))
         try:
-            return self.runner.execute([(req, n)])[0]
+            results, prompt = launched.finish(self.runner)
         except Exception as e:  # noqa: BLE001
+            self._roll_back(launched)
             return e
+        if prompt is not None:
+            record_prompt_logprobs([(req, n)], launched.prep.starts, prompt)
+        return results[0]
 
     def _fail(self, req: Request, e: Exception) -> RequestOutput:
         """Finish a request the engine failed on, freeing its blocks; its output carries the error."""

@@ -67,14 +67,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        decodes_first = sorted(self.running, key=lambda r: r.num_tokens_to_compute > 1)
         for req in decodes_first:
             if req.status != RequestStatus.RUNNING or budget == 0:  # preempted above, or no budget
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if (
-                req.num_tokens - req.num_computed_tokens == 1 and req.draft_token_ids
-            ):  # verify drafts (docs/design.md §4.16)
+            n = min(req.num_tokens_to_compute, budget)
+            if req.num_tokens_to_compute == 1 and req.draft_token_ids:  # verify drafts (docs/design.md §4.16)
                 m = min(len(req.draft_token_ids), req.draft_room(self.config.max_model_len), budget - 1)
                 del req.draft_token_ids[m:]
                 n += m
@@ -96,7 +94,7 @@ class Scheduler:
             cached = self.bm.match_prefix(req)
             req.num_computed_tokens = cached
             req.num_cached_tokens = max(req.num_cached_tokens, cached)
-            n = req.num_tokens - cached
+            n = req.num_tokens_to_compute
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     self.bm.free_request(req)
@@ -136,13 +134,18 @@ class Scheduler:
 
     @staticmethod
     def _waits_for_sibling(req: Request) -> bool:
-        """A sample of an n > 1 request starts once its first sample has computed the prompt, so
-        the prefix cache gives it the prompt's blocks instead of computing them again."""
+        """A sample of an n > 1 request starts once its first sample has computed the prompt (its
+        first token taken: the step that computed it has run), so the prefix cache gives it the
+        prompt's blocks instead of computing them again."""
         first = req.prefill_after
-        return first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens
+        return first is not None and not first.is_finished and not first.output_token_ids
 
     def finish(self, req: Request) -> None:
+        """A request is done (it may be waiting: preempted after the step that finished it was
+        launched)."""
         req.status = RequestStatus.FINISHED
         if req in self.running:
             self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
         self.bm.free_request(req)

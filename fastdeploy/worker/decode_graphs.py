@@ -129,11 +129,16 @@ class DecodeGraphs:
                 mem,
             )
 
-    def run(self, step: StepInputs) -> paddle.Tensor:
-        """Logits [B, vocab] of a step ``takes`` accepted: one copy into ``staging``, then the
-        bucket's replay (or its body)."""
+    def run(
+        self, step: StepInputs, at: paddle.Tensor | None = None, filled: paddle.Tensor | None = None
+    ) -> paddle.Tensor:
+        """Logits [B, vocab] of a step ``takes`` accepted: one copy into ``staging`` (then, for
+        placeholder rows ``at`` int64 [P], their tokens ``filled`` int64 [P] from the device),
+        then the bucket's replay (or its body)."""
         B = step.batch_size
         self.fill(self.host_buffer(step.input_ids, step.seq_lens_decoder, step.block_tables), B)
+        if at is not None:
+            self.staging[:B] = paddle.scatter(self.staging[:B], at, filled.astype("int32"))
         self.replays += 1
         if B in self.graphs:
             self.graphs[B].replay()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import paddle
@@ -19,20 +21,45 @@ from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.input.grammar import token_bitmask
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.layers.attention.base_backend import IndexedCache
-from fastdeploy.model_executor.layers.device_sampler import DeviceSampler
+from fastdeploy.model_executor.layers.device_sampler import DeviceSampler, Drawn
 from fastdeploy.model_executor.layers.linear import captured_gemms
 from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.model_executor.load_weight_utils import load_weights, parameter_bytes
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitmask
-from fastdeploy.request import Request
+from fastdeploy.request import Request, sampling_batch
 from fastdeploy.worker.decode_graphs import DecodeGraphs
 from fastdeploy.worker.kv_sizing import group_bytes_per_block, num_blocks_for, on_gpu
 from fastdeploy.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, record_prompt_logprobs
-from fastdeploy.worker.speculation import MTPProposer, verify_drafts
-from fastdeploy.worker.step_inputs import DraftStep, StepInputs, build_step_inputs
+from fastdeploy.worker.speculation import MTPProposer, Results, verify_drafts
+from fastdeploy.worker.step_inputs import PLACEHOLDER, DraftStep, StepInputs, build_step_inputs
 
 logger = logging.getLogger("fastdeploy")
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step as the host built it: ``scheduled`` (request, tokens), each request's ``starts``
+    (its computed tokens before the step), the step's inputs, and per sampling request
+    (``step.samples_at`` order) the output ids its draw counts (a token pending from the step
+    before as ``PLACEHOLDER``: draws read only how many there are, and the penalty counts that
+    the step before's draw already updated on the device)."""
+
+    scheduled: list[tuple[Request, int]]
+    starts: list[int]
+    step: StepInputs
+    outputs: list[list[int]]
+
+
+@dataclass(frozen=True)
+class RunningStep:
+    """A launched step: its logits on the device (None: no row samples), its draw (None when its
+    rows verify drafts, drawn at ``finish``) and its prompt logprobs."""
+
+    prep: PreparedStep
+    logits: paddle.Tensor | None
+    drawn: Drawn | None
+    prompt: PromptLogprobs | None
 
 
 class GPUModelRunner:
@@ -66,7 +93,6 @@ class GPUModelRunner:
         kinds = {b.kind for b in backends}
         backends += [b for b in (self.spec.model.attention_backends() if self.spec else []) if b.kind not in kinds]
         self.meta_builder = ForwardMetaBuilder(self.block_size, backends, fd_config.kernel_config)
-        self.step_started: float | None = None
         self.kv_specs = layer_kv_specs(mc, fd_config.cache_config)
         self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.kv_specs))  # the same on every rank
         self.caches = self.allocate_caches(self.num_blocks)
@@ -75,6 +101,10 @@ class GPUModelRunner:
             mc.vocab_size, fd_config.scheduler_config.max_num_seqs, fd_config.kernel_config.triton
         )
         self.graphs = self.capture_decode_graphs()
+        self.launched_at: deque[float] = deque()  # steps launched, not finished (the watchdog's clock)
+        # the latest draw's tokens int64 [rows] on the device, and each request's row: a step
+        # launched behind it takes its placeholders' tokens from them
+        self.drawn: tuple[paddle.Tensor, dict[str, int]] | None = None
 
     def capture_decode_graphs(self) -> DecodeGraphs | None:
         """Each decode bucket captured (docs/design.md §4.11), when ``cuda_graph_capture`` asks,
@@ -128,15 +158,21 @@ class GPUModelRunner:
         """The step's host arrays (``build_step_inputs``), decode steps padded to their bucket."""
         return build_step_inputs(scheduled, self.null_block, self.fd.scheduler_config.bucket_for)
 
-    def run_step(self, step: StepInputs) -> tuple[paddle.Tensor | None, PromptLogprobs | None]:
+    def run_step(
+        self, step: StepInputs, filled: paddle.Tensor | None = None
+    ) -> tuple[paddle.Tensor | None, PromptLogprobs | None]:
         """The model on one step's inputs, the same on every rank: logits [n, vocab] of the tokens
         that sample, on the device (None when none does), and the step's prompt logprobs (None
-        when no request asks)."""
+        when no request asks). ``filled``: int64 [P] on the device, the tokens of the step's
+        placeholders (in ``step.placeholders`` order)."""
+        at = paddle.to_tensor([r for r, _ in step.placeholders], dtype="int64") if step.placeholders else None
         if self.graphs is not None and self.graphs.takes(step):  # every row samples, in order
-            logits = self.graphs.run(step)
+            logits = self.graphs.run(step, at, filled)
             n = len(step.samples_at)
             return (logits if n == logits.shape[0] else logits[:n]), None
         meta = self.meta_builder.build(step.input_ids, step.seq_lens_encoder, step.seq_lens_decoder, step.block_tables)
+        if at is not None:
+            meta.input_ids = paddle.scatter(meta.input_ids, at, filled)
         hidden = self.model(meta, self.caches[: self.fd.model_config.num_hidden_layers])
         if self.spec is not None:
             self.spec.remember(step, meta, hidden)
@@ -148,53 +184,107 @@ class GPUModelRunner:
         rows = [r for rs in step.sample_rows for r in rs]
         return self.model.compute_logits(hidden, paddle.to_tensor(rows, dtype="int64")), prompt
 
-    def execute(self, scheduled: list[tuple[Request, int]]) -> list[list[SampleResult] | Exception | None]:
-        """Run one step (the driver; other ranks get its inputs by broadcast). For each request
-        whose tokens are now all computed, its new tokens: one sample, or with drafts the accepted
-        drafts then the target's own token (docs/design.md §4.16); or the exception sampling it
-        raised; else None. With speculation, the draft model then proposes each sampled request's
-        next drafts (``Request.draft_token_ids``). A failure of the model step itself raises."""
-        if not scheduled:
-            return []
-        self.step_started = time.monotonic()  # the watchdog times the input broadcast too
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> PreparedStep:
+        """The host's part of a step, before the engine counts its tokens: its inputs (with
+        placeholders where a token is pending), each request's computed tokens and its outputs."""
+        step = self.step_inputs(scheduled)
+        outputs = []
+        for i in step.samples_at:
+            req = scheduled[i][0]
+            outputs.append(req.output_token_ids + [PLACEHOLDER] * req.pending_tokens)
+        return PreparedStep(scheduled, [r.num_computed_tokens for r, _ in scheduled], step, outputs)
+
+    def launch(self, prep: PreparedStep) -> RunningStep:
+        """Queue a prepared step's device work behind every step launched before it (the driver;
+        other ranks get its inputs by broadcast): the forward, the grammar masks and, when no
+        row verifies drafts, the draw. A placeholder's token comes from the step before's drawn
+        tokens on the device; nothing here waits for the device, except prompt logprobs (copied
+        back at once). A failure of the model step itself raises."""
+        self.launched_at.append(time.monotonic())  # the watchdog times the input broadcast too
+        if not prep.scheduled:
+            return RunningStep(prep, None, None, None)
         try:
-            step = self.tp.broadcast_object(self.step_inputs(scheduled))
-            reqs = [scheduled[i][0] for i in step.samples_at]
-            rows = [len(r) for r in step.sample_rows]
-            first = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64) if rows else []
-            drafts = [r.draft_token_ids[: n - 1] for r, n in zip(reqs, rows, strict=True)]
+            step = self.tp.broadcast_object(prep.step)
+            filled = None
+            if step.placeholders:
+                tokens, row_of = self.drawn if self.drawn is not None else (paddle.zeros([0], "int64"), {})
+                src = [row_of.get(key, len(row_of)) for _, key in step.placeholders]  # none: the 0 appended
+                known = paddle.concat([tokens, paddle.zeros([1], "int64")])
+                filled = self.tp.broadcast(paddle.gather(known, paddle.to_tensor(src, dtype="int64")))
+            reqs = [prep.scheduled[i][0] for i in step.samples_at]
+            drafts = [r.draft_token_ids[: len(rows) - 1] for r, rows in zip(reqs, step.sample_rows, strict=True)]
             masked = [i for i, r in enumerate(reqs) if r.constrained]  # a mask a row, after each draft
             masks = None  # computed by llguidance's threads while this thread runs the forward
             if masked:
                 vocab = self.fd.model_config.vocab_size
                 masks = self.mask_pool.submit(token_bitmask, [(reqs[i].matcher, drafts[i]) for i in masked], vocab)
             try:
-                logits, prompt = self.run_step(step)
+                logits, prompt = self.run_step(step, filled)
             finally:
                 words = masks.result() if masks is not None else None  # never left running
-            if prompt is not None:
-                record_prompt_logprobs(scheduled, prompt)
-            results: list[list[SampleResult] | Exception | None] = [None] * len(scheduled)
-            if logits is None:
-                return results
-            if words is not None:
-                at = [int(first[i]) + j for i in masked for j in range(rows[i])]
+            if logits is not None and words is not None:
+                first = np.concatenate([[0], np.cumsum([len(r) for r in step.sample_rows])[:-1]])
+                at = [int(first[i]) + j for i in masked for j in range(len(step.sample_rows[i]))]
                 logits = apply_token_bitmask(logits, words, at, self.fd.kernel_config.triton)
-            for i, r in zip(step.samples_at, verify_drafts(self.sampler, logits, reqs, first, drafts), strict=True):
+            drawn = None
+            if logits is not None and not any(drafts):
+                drawn = self.sampler.draw(logits, sampling_batch(reqs, outputs=prep.outputs))
+                self.drawn = (drawn.out.tokens.astype("int64"), {r.request_id: b for b, r in enumerate(reqs)})
+            return RunningStep(prep, logits, drawn, prompt)
+        except BaseException:
+            self.launched_at.pop()
+            raise
+
+    def finish(self, running: RunningStep) -> tuple[Results, PromptLogprobs | None]:
+        """A launched step's results on the host (waits for its device work): for each request
+        whose tokens are now all computed, its new tokens: one sample, or with drafts the
+        accepted drafts then the target's own token (docs/design.md §4.16); or the exception
+        sampling it raised; else None. Also the step's prompt logprobs (None when no request
+        asks). With speculation, the draft model then proposes each sampled request's next drafts
+        (``Request.draft_token_ids``)."""
+        prep = running.prep
+        try:
+            results: Results = [None] * len(prep.scheduled)
+            if running.logits is None:
+                return results, running.prompt
+            step = prep.step
+            reqs = [prep.scheduled[i][0] for i in step.samples_at]
+            if running.drawn is not None:
+                verified = [[r] if isinstance(r, SampleResult) else r for r in self.sampler.collect(running.drawn)]
+            else:  # rows verifying drafts: each row's draw depends on the one before's acceptance
+                rows = [len(r) for r in step.sample_rows]
+                first = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+                drafts = [r.draft_token_ids[: n - 1] for r, n in zip(reqs, rows, strict=True)]
+                verified = verify_drafts(self.sampler, running.logits, reqs, first, drafts)
+            for i, r in zip(step.samples_at, verified, strict=True):
                 results[i] = r
             if self.spec is not None:
-                self.propose_drafts(scheduled, results)
-            return results
+                self.propose_drafts(prep.scheduled, prep.starts, results)
+            return results, running.prompt
         finally:
-            self.step_started = None
+            if self.launched_at:
+                self.launched_at.popleft()
 
-    def propose_drafts(
-        self, scheduled: list[tuple[Request, int]], results: list[list[SampleResult] | Exception | None]
-    ) -> None:
+    @property
+    def step_started(self) -> float | None:
+        """When the oldest step not yet finished was launched (None: none is running)."""
+        return self.launched_at[0] if self.launched_at else None
+
+    def execute(self, scheduled: list[tuple[Request, int]]) -> Results:
+        """One step in order (launched and finished), its prompt logprobs recorded."""
+        prep = self.prepare(scheduled)
+        results, prompt = self.finish(self.launch(prep))
+        if prompt is not None:
+            record_prompt_logprobs(scheduled, prep.starts, prompt)
+        return results
+
+    def propose_drafts(self, scheduled: list[tuple[Request, int]], starts: list[int], results: Results) -> None:
         """The driver: every rank runs the draft pass over this step; each sampled request gets
         its next ``draft_token_ids`` (``MTPProposer``)."""
         group = next(iter(self.num_blocks))
-        msg, drafting = self.spec.plan(scheduled, results, lambda r: len(r.block_tables[group]) * self.block_size)
+        msg, drafting = self.spec.plan(
+            scheduled, starts, results, lambda r: len(r.block_tables[group]) * self.block_size
+        )
         proposed = self.draft(self.tp.broadcast_object(msg))
         self.spec.take(scheduled, drafting, msg.depth, proposed)
 
@@ -208,7 +298,10 @@ class GPUModelRunner:
             if isinstance(step, DraftStep):
                 self.draft(step)
             else:
-                self.run_step(step)  # rank 0 keeps the results
+                filled = None
+                if step.placeholders:  # their tokens, from the driver's draw
+                    filled = self.tp.broadcast(paddle.zeros([len(step.placeholders)], "int64"))
+                self.run_step(step, filled)  # rank 0 keeps the results
 
     def stop_workers(self) -> None:
         """The driver: tell the other ranks to return from ``serve_steps``."""

@@ -40,7 +40,8 @@ def kv_budget_bytes(fd: FDConfig) -> float:
 def plan_kv_blocks(fd: FDConfig, per_block: dict[str, int], budget: float) -> dict[str, int]:
     """Blocks of each group's pool (docs/design.md §4.2). One group takes the budget (or the
     override). With both, the SWA pool holds what max_num_seqs requests can need at once
-    (``swa_blocks_per_request`` each), never more than the full pool (a request's SWA blocks are
+    (``swa_blocks_per_request`` each; at least what one request alone can hold, its window and
+    ``swa_chunk_tokens``), never more than the full pool (a request's SWA blocks are
     a subset of its logical blocks), and the full pool takes the rest; ``swa_full_tokens_ratio``
     fixes SWA blocks per full block instead; ``num_gpu_blocks_override`` sets the full pool."""
     cc, sc, mc = fd.cache_config, fd.scheduler_config, fd.model_config
@@ -50,6 +51,7 @@ def plan_kv_blocks(fd: FDConfig, per_block: dict[str, int], budget: float) -> di
         return {g: override or max(1, int(budget // nbytes))}
     full_b, swa_b = per_block[FULL_GROUP], per_block[SWA_GROUP]
     need = sc.max_num_seqs * swa_blocks_per_request(mc.sliding_window, sc.max_num_batched_tokens, cc.block_size)
+    need = max(need, swa_blocks_per_request(mc.sliding_window, sc.swa_chunk_tokens, cc.block_size))  # one alone
     if override:
         full = override
     elif ratio:

@@ -25,10 +25,11 @@ class PromptLogprobRows:
     k: int = 0
 
 
-def prompt_logprob_span(req: Request, n: int) -> range:
-    """The positions p of the request's next n tokens whose logits give a prompt token's logprob
-    (that of token p + 1): every position of the chunk before the prompt's last."""
-    start = req.num_computed_tokens
+def prompt_logprob_span(req: Request, n: int, start: int | None = None) -> range:
+    """The positions p of the request's n tokens from ``start`` (default: its next) whose logits
+    give a prompt token's logprob (that of token p + 1): every position of the chunk before the
+    prompt's last."""
+    start = req.num_computed_tokens if start is None else start
     return range(start, min(start + n, req.num_prompt_tokens - 1))
 
 
@@ -71,17 +72,17 @@ def compute_prompt_logprobs(
     return tuple(np.concatenate(x) for x in zip(*parts, strict=True)) if parts else None
 
 
-def record_prompt_logprobs(scheduled: list[tuple[Request, int]], prompt: PromptLogprobs) -> None:
+def record_prompt_logprobs(scheduled: list[tuple[Request, int]], starts: list[int], prompt: PromptLogprobs) -> None:
     """Write the step's prompt logprobs into their requests by position, in the order
-    ``prompt_logprob_rows`` listed them; by position, so a step retried or recomputed after
-    preemption writes the same entries again."""
+    ``prompt_logprob_rows`` listed them (``starts``: each request's first position in the step);
+    by position, so a step retried or recomputed after preemption writes the same entries again."""
     lp, rank, ids, top = prompt
     r = 0
-    for req, n in scheduled:
+    for (req, n), start in zip(scheduled, starts, strict=True):
         if req.prompt_logprobs is None:
             continue
         k = req.sampling_params.prompt_logprobs
-        for p in prompt_logprob_span(req, n):  # the entry of prompt token p + 1
+        for p in prompt_logprob_span(req, n, start):  # the entry of prompt token p + 1
             entry = {int(t): float(v) for t, v in zip(ids[r, :k], top[r, :k], strict=True)}
             entry[req.prompt_token_ids[p + 1]] = float(lp[r])
             req.prompt_logprobs[p + 1], req.prompt_ranks[p + 1] = entry, int(rank[r])

@@ -24,14 +24,20 @@ Results = list[list[SampleResult] | Exception | None]
 
 
 def verify_drafts(
-    sampler: DeviceSampler, logits: paddle.Tensor, reqs: list[Request], first: Sequence[int], drafts: list[list[int]]
+    sampler: DeviceSampler,
+    logits: paddle.Tensor,
+    reqs: list[Request],
+    first: Sequence[int],
+    drafts: list[list[int]],
+    outputs: Sequence[list[int]] | None = None,
 ) -> list[list[SampleResult] | Exception]:
     """Sample each request's rows in order (row j of request b is logits[first[b] + j], the
     target's distribution after its j-th draft), accepting while the sample equals the draft
     (docs/design.md §4.16). Drafts are the draft model's arg-max, a one-hot proposal, so this is
     rejection sampling (Leviathan et al.): a draft d is kept with probability p(d), and a
     rejected one's replacement is drawn from p without d, renormalised. Each row samples as
-    the request's next token would without speculation (seed step, penalties, min_tokens)."""
+    the request's next token would without speculation (seed step, penalties, min_tokens);
+    ``outputs[b]``: request b's output ids as this step sees them (``sampling_batch``)."""
     out: list[list[SampleResult] | Exception] = [[] for _ in reqs]
     live = list(range(len(reqs)))
     for j in range(1 + max(len(d) for d in drafts)):
@@ -41,7 +47,9 @@ def verify_drafts(
         pending = [[r.token_id for r in out[b]] for b in live]
         rows = logits if j == 0 and len(live) == logits.shape[0] else logits[idx]
         nxt = []
-        for b, r in zip(live, sampler.sample(rows, sampling_batch([reqs[b] for b in live], pending)), strict=True):
+        outs = None if outputs is None else [outputs[b] for b in live]
+        batch = sampling_batch([reqs[b] for b in live], pending, outs)
+        for b, r in zip(live, sampler.sample(rows, batch), strict=True):
             if isinstance(r, Exception):
                 if not out[b]:  # else the tokens accepted before it stand
                     out[b] = r
@@ -70,21 +78,25 @@ class MTPProposer:
         self.last_step = (step, meta, hidden)
 
     def plan(
-        self, scheduled: list[tuple[Request, int]], results: Results, covered: Callable[[Request], int]
+        self,
+        scheduled: list[tuple[Request, int]],
+        starts: list[int],
+        results: Results,
+        covered: Callable[[Request], int],
     ) -> tuple[DraftStep, list[Request]]:
-        """The driver, after the latest step: the draft message every rank runs, and the
-        requests that draft. A request drafts from the row of its last accepted token, as deep
-        as ``k``, its room (max_tokens, max_model_len) and its blocks (``covered``: the tokens
-        its tables hold) allow. Under a structured-output grammar the verify step masks each row
-        with the grammar's state after the drafts before it (``token_bitmask``), so a draft the
-        grammar refuses is rejected; not while a grammar waits for its start token (the rows
-        after that token would need a mask the step cannot know)."""
+        """The driver, after the latest step (``starts``: each request's computed tokens before
+        it): the draft message every rank runs, and the requests that draft. A request drafts
+        from the row of its last accepted token, as deep as ``k``, its room (max_tokens,
+        max_model_len) and its blocks (``covered``: the tokens its tables hold) allow. Under a
+        structured-output grammar the verify step masks each row with the grammar's state after
+        the drafts before it (``token_bitmask``), so a draft the grammar refuses is rejected; not
+        while a grammar waits for its start token (the rows after that token would need a mask
+        the step cannot know)."""
         step = self.last_step[0]
         next_ids = [0] * len(step.input_ids)
         rows, batch, pos, depth, drafting = [], [], [], [], []
         row = 0
-        for b, ((req, n), res) in enumerate(zip(scheduled, results, strict=True)):
-            start = req.num_computed_tokens
+        for b, ((req, n), start, res) in enumerate(zip(scheduled, starts, results, strict=True)):
             seq = req.all_token_ids + ([r.token_id for r in res] if isinstance(res, list) else [])
             for i in range(n):  # the token after each row's position, where known
                 if start + i + 1 < len(seq):

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from fastdeploy.request import Request
 from fastdeploy.worker.prompt_logprobs import PromptLogprobRows, prompt_logprob_rows
 
+PLACEHOLDER = -1  # a row's token before the step that samples it has run
+
 
 @dataclass(frozen=True)
 class StepInputs:
@@ -21,7 +23,10 @@ class StepInputs:
     chunk length (0 for a decode), ``seq_lens_decoder`` the tokens already cached,
     ``block_tables[g]`` its block ids in KV cache group g. ``samples_at``: the scheduled requests
     that sample (indices into the scheduled list); ``sample_rows[i]``: the token rows the i-th of
-    them samples at (one, or m + 1 when it verifies m drafts)."""
+    them samples at (one, or m + 1 when it verifies m drafts). ``placeholders``: (row, request id)
+    of each row whose token an earlier, still running step samples (the overlapped loop,
+    docs/design.md §4.18); its ``input_ids`` entry is ``PLACEHOLDER``, its token is filled on the
+    device from that step's draw."""
 
     input_ids: list[int]
     seq_lens_encoder: list[int]
@@ -30,6 +35,7 @@ class StepInputs:
     samples_at: list[int]
     sample_rows: list[list[int]]
     prompt_logprobs: PromptLogprobRows = field(default_factory=PromptLogprobRows)
+    placeholders: tuple[tuple[int, str], ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -59,19 +65,24 @@ def build_step_inputs(
 ) -> StepInputs:
     """The step of ``scheduled`` (request, tokens this step). A request verifying m drafts
     (docs/design.md §4.16) computes its last token and the drafts as a chunk of m + 1 tokens and
-    samples at each of them. A pure-decode step is padded to its bucket (``bucket_for``) with rows
-    of one token at position 0 whose every table is the group's null block; they never sample."""
-    ids, enc, dec, sample_rows, samples_at, row = [], [], [], [], [], 0
+    samples at each of them. A position whose token is pending (sampled by a step not yet taken,
+    ``Request.pending_tokens``) gets a placeholder. A pure-decode step is padded to its bucket
+    (``bucket_for``) with rows of one token at position 0 whose every table is the group's null
+    block; they never sample."""
+    ids, enc, dec, sample_rows, samples_at, holes, row = [], [], [], [], [], [], 0
     tables: dict[str, list[list[int]]] = {g: [] for g in null_block}
     for i, (req, n) in enumerate(scheduled):
         start, m = req.num_computed_tokens, req.num_drafts(n)
-        ids.extend(req.all_token_ids[start : start + n - m] + req.draft_token_ids[:m])
-        is_decode = n == 1 and req.output_token_ids and start == req.num_tokens - 1
+        known = req.all_token_ids[start : start + n - m]
+        holes += [(row + j, req.request_id) for j in range(len(known), n - m)]
+        ids.extend(known + [PLACEHOLDER] * (n - m - len(known)) + req.draft_token_ids[:m])
+        total = req.num_tokens + req.pending_tokens
+        is_decode = n == 1 and total > req.num_prompt_tokens and start == total - 1
         enc.append(0 if is_decode else n)
         dec.append(start)
         for g, rows in tables.items():
-            rows.append(req.block_tables[g])
-        if start + n - m == req.num_tokens:
+            rows.append(list(req.block_tables[g]))  # a copy: the next step's release edits the table
+        if start + n - m == total:
             samples_at.append(i)
             sample_rows.append(list(range(row + n - m - 1, row + n)))
         row += n
@@ -82,4 +93,4 @@ def build_step_inputs(
         dec += [0] * pad
         for g, rows in tables.items():
             rows += [[null_block[g]]] * pad
-    return StepInputs(ids, enc, dec, tables, samples_at, sample_rows, prompt_logprob_rows(scheduled))
+    return StepInputs(ids, enc, dec, tables, samples_at, sample_rows, prompt_logprob_rows(scheduled), tuple(holes))

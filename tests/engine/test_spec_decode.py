@@ -38,18 +38,21 @@ class Watch:
         self.eng, self.bm, self.la = eng, eng.block_manager, lookahead
         self.violations: list[str] = []
         self.results: dict[str, list[int]] = {}  # request -> tokens the runner returned, per step
-        inner = eng.runner.execute
+        prepare, finish = eng.runner.prepare, eng.runner.finish
 
-        def execute(scheduled):
+        def checked_prepare(scheduled):
             for req, n in scheduled:
                 self.check_tables(req, n)
-            res = inner(scheduled)
-            for (req, _), r in zip(scheduled, res, strict=True):
+            return prepare(scheduled)
+
+        def recorded_finish(running):
+            res, prompt = finish(running)
+            for (req, _), r in zip(running.prep.scheduled, res, strict=True):
                 if isinstance(r, list):
                     self.results.setdefault(req.request_id, []).append(len(r))
-            return res
+            return res, prompt
 
-        eng.runner.execute = execute
+        eng.runner.prepare, eng.runner.finish = checked_prepare, recorded_finish
 
     def check(self, ok: bool, what: str) -> None:
         if not ok:

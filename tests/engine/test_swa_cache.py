@@ -29,7 +29,7 @@ def prompts(rng, lens):
 class StepWatch:
     """Wraps the runner: before each step, checks the step's token budget and every scheduled
     request's SWA blocks against the window bound; records the peaks and every violation (an
-    assertion raised inside ``execute`` would only make the engine retry the requests one by one,
+    assertion raised inside ``prepare`` would only make the engine retry the requests one by one,
     so violations are recorded and ``assert_all_free`` fails on them)."""
 
     def __init__(self, llm: LLM, W: int) -> None:
@@ -37,19 +37,21 @@ class StepWatch:
         self.bm, self.W, self.budget = eng.block_manager, W, eng.config.scheduler_config.max_num_batched_tokens
         self.peak_swa, self.peak_full, self.steps = 0, 0, 0
         self.violations: list[str] = []
-        inner = eng.runner.execute
+        inner = eng.runner.prepare
 
         def check(ok: bool, what: str) -> None:
             if not ok:
                 self.violations.append(f"step {self.steps}: {what}")
 
-        def execute(scheduled):
+        def prepare(scheduled):
             check(sum(n for _, n in scheduled) <= self.budget, "token budget")
             for req, n in scheduled:
                 swa = [b for b in req.block_tables.get("swa", []) if b >= 0]
                 if self.bm.release_swa:  # released entries are -1, exactly those out of every query's sight
-                    check(len(swa) <= bound(self.W, n), f"{len(swa)} SWA blocks for a chunk of {n}")
-                    lo = max(0, req.num_computed_tokens - self.W + 1) // BS
+                    # overlapped, the window of a running step's first token stays until it is taken
+                    span = n + req.inflight_tokens
+                    check(len(swa) <= bound(self.W, span), f"{len(swa)} SWA blocks for a chunk of {n}")
+                    lo = max(0, req.num_computed_tokens - req.inflight_tokens - self.W + 1) // BS
                     check(all(b == -1 for b in req.block_tables["swa"][:lo]), "a block out of sight kept")
                     check(all(b >= 0 for b in req.block_tables["swa"][lo:]), "a block in sight released")
                 self.peak_swa = max(self.peak_swa, len(swa))
@@ -57,7 +59,7 @@ class StepWatch:
             self.steps += 1
             return inner(scheduled)
 
-        eng.runner.execute = execute
+        eng.runner.prepare = prepare
 
     def assert_all_free(self) -> None:
         assert not self.violations, self.violations
@@ -85,7 +87,8 @@ def test_release_changes_no_output_hybrid(chunk, rng):
     on, watch = run(llm, ps, sp, release=True, W=32)
     assert on == off
     assert llm.engine.block_manager.swa_blocks_released > 0
-    assert watch.peak_swa <= bound(32, chunk) < watch.peak_full
+    span = llm.engine.config.scheduler_config.swa_chunk_tokens  # overlapped: two chunks (design §4.18)
+    assert watch.peak_swa <= bound(32, span) < watch.peak_full
 
 
 def test_release_changes_no_output_all_swa(all_swa_dir, rng):
@@ -95,7 +98,7 @@ def test_release_changes_no_output_all_swa(all_swa_dir, rng):
     assert list(llm.engine.block_manager.pools) == ["swa"]
     off, _ = run(llm, ps, sp, release=False, W=8)
     on, watch = run(llm, ps, sp, release=True, W=8)
-    assert on == off and watch.peak_swa <= bound(8, 9)
+    assert on == off and watch.peak_swa <= bound(8, llm.engine.config.scheduler_config.swa_chunk_tokens)
 
 
 def test_20w_generation_stays_within_the_bound(rng):
@@ -126,8 +129,9 @@ def test_20w_generation_stays_within_the_bound(rng):
         # full pool roomy; SWA pool 5 blocks: all four are admitted with a block each, and a
         # decode past position 32 holds 3
         ([16, 16, 16, 16], 100, 0.05, 16, {"full": 100, "swa": 5}),
-        # both short: 12 full blocks for 4 x 100 tokens, 6 SWA blocks
-        ([40, 35, 45, 40], 12, 0.5, 32, {"full": 12, "swa": 6}),
+        # both short: 12 full blocks for 4 x 100 tokens, 6 SWA blocks (a request alone holds at
+        # most 5: W + the two chunks of 16 of a running step and the one launched behind it)
+        ([40, 35, 45, 40], 12, 0.5, 16, {"full": 12, "swa": 6}),
     ],
 )
 def test_preemption_when_pools_are_short(rng, lens, full, ratio, chunk, pools):

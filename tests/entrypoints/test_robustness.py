@@ -275,15 +275,15 @@ def test_validation_is_consistent(live, path, body, status, param):
 def test_engine_step_failure_fails_only_its_request(live):
     base, eng = live
     runner = eng.engine.runner
-    inner = runner.execute
+    inner = runner.launch
     marker = 499  # a token id only the poisoned prompt contains
 
-    def execute(scheduled):
-        if any(marker in req.prompt_token_ids for req, _ in scheduled):
+    def launch(prep):
+        if any(marker in req.prompt_token_ids for req, _ in prep.scheduled):
             raise RuntimeError("injected step failure")
-        return inner(scheduled)
+        return inner(prep)
 
-    runner.execute = execute
+    runner.launch = launch
     try:
         want = {
             i: httpx.post(base + CMPL, json={"prompt": [5, 6, 7 + i], "max_tokens": 6, "temperature": 0}).json()
@@ -307,7 +307,7 @@ def test_engine_step_failure_fails_only_its_request(live):
         assert metric(base, "engine_errors_total") == errors_before + 1
         assert eng.healthy
     finally:
-        runner.execute = inner
+        runner.launch = inner
     wait_idle(base)
 
 

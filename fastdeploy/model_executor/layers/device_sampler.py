@@ -11,6 +11,8 @@ slot's tally and the request disagree (a new request, a slot taken by another, a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import paddle
 
@@ -46,6 +48,15 @@ def upload(host: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
     return out
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """A launched draw: the op's device outputs, the logits it drew from, the rows' states."""
+
+    out: sampling.Sampled
+    logits: paddle.Tensor
+    states: list[SamplingState]
+
+
 class DeviceSampler:
     """Samples one token per row of a [B, vocab] logits tensor for B requests."""
 
@@ -74,6 +85,8 @@ class DeviceSampler:
         if self.counts is None:
             self.counts = paddle.zeros([self.max_slots, self.vocab_size], "int32")
             self.seen = paddle.zeros([self.max_slots, self.vocab_size], "uint8")
+        if any(t < 0 for t in out):  # never: a row with a pending token kept its slot from the step before
+            raise RuntimeError("penalty counts cannot be rebuilt while a sampled token is pending")
         row = np.zeros(self.vocab_size, np.int32)
         np.add.at(row, np.asarray(out, np.int64), 1)
         seen = np.zeros(self.vocab_size, np.uint8)
@@ -129,6 +142,11 @@ class DeviceSampler:
     def sample(self, logits: paddle.Tensor, batch: SamplingBatch) -> list[SampleResult | Exception]:
         """logits [B, vocab] on the device, one row per request of ``batch`` -> a result per row
         (a ValueError for a row whose logits are not finite: it fails that request only)."""
+        return self.collect(self.draw(logits, batch))
+
+    def draw(self, logits: paddle.Tensor, batch: SamplingBatch) -> Drawn:
+        """Launch the draw of one token per row (device work only; nothing is copied back): the
+        drawn tokens stay on the device (``Drawn.out.tokens``) for a step launched behind this one."""
         host = self.pack(batch)
         dev = upload(host)
         counts = self.counts if self.counts is not None else self.no_counts
@@ -147,11 +165,17 @@ class DeviceSampler:
         slots = host["iparams"][:, I_SLOT]
         if (slots >= 0).any():
             self._count(out.tokens, dev["iparams"], slots)
+        return Drawn(out, logits, list(batch.states))
+
+    def collect(self, drawn: Drawn) -> list[SampleResult | Exception]:
+        """The draw's results on the host: one [B, 3] copy (the step's sync point), plus the top
+        logprobs of the rows that want them."""
+        out, states = drawn.out, drawn.states
         got = paddle.stack([out.tokens.astype("float32"), out.logprobs, out.bad.astype("float32")], 1).numpy()
-        want = [st.logprobs or 0 for st in batch.states]
-        tops = self._top_logprobs(logits, out.lse, want)
+        want = [st.logprobs or 0 for st in states]
+        tops = self._top_logprobs(drawn.logits, out.lse, want)
         results: list[SampleResult | Exception] = []
-        for b, st in enumerate(batch.states):
+        for b, st in enumerate(states):
             if got[b, 2]:
                 results.append(ValueError("the model's logits for this request are not finite"))
                 continue

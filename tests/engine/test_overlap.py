@@ -1,0 +1,257 @@
+"""The overlapped loop (``async_scheduling``, docs/design.md §4.18) changes no token: the same
+requests through an engine that launches step N+1 before taking step N's outputs and through one
+that runs each step in turn give the same tokens, logprobs, texts and finish reasons, and the same
+count of generated tokens (a row computed after its request finished never sends a token). The
+plan crosses windows (W 32, block 16, prompts past 2W + a block, chunks of 48 below and above W),
+preempts (a short pool), hits cached prefixes shorter and longer than W, stops on a token, a
+string, max_tokens and min_tokens, samples with seeds and penalties, runs n = 4 siblings and aborts
+a request while its step runs. Every block is free at the end. Steps a request's structured
+output or speculation needs taken first run in turn; a step failing with another launched behind
+it fails only its request."""
+
+import numpy as np
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.sampling_params import StructuredOutput
+
+BS = 16
+
+
+def engine(model_dir, overlap, **kw):
+    common = dict(
+        block_size=BS, max_num_seqs=6, max_num_batched_tokens=48, enable_prefix_caching=True, max_model_len=192
+    )
+    return LLM(model_dir, async_scheduling=overlap, **{**common, **kw}).engine
+
+
+class Launches:
+    """Counts, through the runner's own calls, the steps launched while another was running and
+    the placeholders their inputs held."""
+
+    def __init__(self, eng) -> None:
+        self.behind = self.placeholders = self.steps = 0
+        runner = eng.runner
+        launch = runner.launch
+
+        def counted(prep):
+            self.steps += 1
+            self.behind += runner.step_started is not None
+            self.placeholders += len(prep.step.placeholders)
+            return launch(prep)
+
+        runner.launch = counted
+
+
+def drive(eng, plan: dict, aborts: dict | None = None, max_steps: int = 600):
+    """Add plan[step]'s requests ((id, prompt, SamplingParams, sibling of)) at that step, abort
+    aborts[step]'s ids; run to the end. Returns the final outputs and every streamed one."""
+    final, streamed, prompts = {}, {}, {}
+    for step in range(max_steps):
+        for rid, prompt, sp, after in plan.get(step, []):
+            prompts[rid] = prompts[after] if after else prompt
+            req = eng.make_request(prompts[rid], sp, rid)
+            if after:
+                req.prefill_after = eng.requests[after]
+            eng.enqueue(req)
+        for rid in (aborts or {}).get(step, []):
+            assert eng.abort_request(rid)
+        if step > max(plan) and not eng.has_unfinished_requests():
+            break
+        for o in eng.step():
+            assert o.request_id not in final or not final[o.request_id].finished, "an output after the last"
+            final[o.request_id] = o
+            streamed.setdefault(o.request_id, []).append(list(o.outputs[0].token_ids))
+    assert not eng.has_unfinished_requests() and eng.in_flight is None
+    for pool in eng.block_manager.pools.values():
+        assert pool.num_free == pool.num_blocks and not any(pool.ref_cnt)
+    return final, streamed
+
+
+def same_outputs(a: dict, b: dict, skip: tuple = ()) -> None:
+    assert a.keys() == b.keys()
+    for rid, oa in a.items():
+        if rid in skip:
+            continue
+        ca, cb = oa.outputs[0], b[rid].outputs[0]
+        assert (ca.token_ids, ca.text, ca.finish_reason) == (cb.token_ids, cb.text, cb.finish_reason), rid
+        for la, lb in zip(ca.logprobs or [], cb.logprobs or [], strict=True):
+            assert la.keys() == lb.keys(), rid
+            # float32 GEMMs over another batch make-up round the last bits differently (as padding does)
+            np.testing.assert_allclose(list(la.values()), list(lb.values()), rtol=0, atol=3e-3)
+
+
+def make_plan(rng, probe: list[int], tokenizer) -> dict:
+    ids = lambda n: [int(x) for x in rng.integers(2, 500, n)]  # noqa: E731
+    shared = ids(56)  # three blocks cached: a hit of 48 > W; the 16-token one below W
+    greedy = dict(temperature=0.0, logprobs=2)
+    stop_tok, stop_text = probe[6], tokenizer.decode(probe[3:5])
+    seeded = dict(temperature=0.8, top_p=0.9, repetition_penalty=1.2, frequency_penalty=0.3, min_tokens=6)
+    return {
+        0: [
+            ("long", ids(85), SamplingParams(max_tokens=40, ignore_eos=True, **greedy), None),
+            ("shared", shared + ids(3), SamplingParams(max_tokens=12, ignore_eos=True, **greedy), None),
+        ],
+        2: [
+            ("stop_tok", PROBE_PROMPT, SamplingParams(max_tokens=30, stop_token_ids=[stop_tok], **greedy), None),
+            ("stop_str", PROBE_PROMPT, SamplingParams(max_tokens=30, stop=[stop_text], **greedy), None),
+            ("seeded", ids(40), SamplingParams(max_tokens=20, seed=5, logprobs=1, **seeded), None),
+        ],
+        4: [("aborted", ids(70), SamplingParams(max_tokens=50, ignore_eos=True, **greedy), None)],
+        6: [
+            ("hit_long", shared + ids(9), SamplingParams(max_tokens=10, ignore_eos=True, **greedy), None),
+            ("hit_short", shared[:16] + ids(30), SamplingParams(max_tokens=10, ignore_eos=True, **greedy), None),
+            ("n0", ids(36), SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.9, seed=1), None),
+        ],
+        7: [
+            (f"n{i}", None, SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.9, seed=1 + i), "n0")
+            for i in (1, 2, 3)
+        ],
+    }
+
+
+PROBE_PROMPT = [7, 31, 64, 99, 150, 201, 255, 310, 333, 401, 420, 499]
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_model_dir):
+    """The greedy continuation of PROBE_PROMPT (the stop token and string come from it)."""
+    llm = LLM(tiny_model_dir, block_size=BS, max_model_len=192, async_scheduling=False)
+    out = llm.generate([PROBE_PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    return out[0].outputs[0].token_ids, llm.engine.tokenizer
+
+
+def test_overlap_changes_no_token(tiny_model_dir, rng, probe):
+    toks, tokenizer = probe
+    plan = make_plan(rng, toks, tokenizer)
+    aborts = {24: ["aborted"]}
+    runs = {}
+    for overlap in (False, True):
+        eng = engine(tiny_model_dir, overlap, num_gpu_blocks_override=18)
+        launches = Launches(eng)
+        runs[overlap] = (drive(eng, plan, aborts), eng, launches)
+    (sync, _), sync_eng, sync_l = runs[False]
+    (over, streamed), over_eng, over_l = runs[True]
+    same_outputs(sync, over, skip=("aborted",))
+    cut = [o["aborted"].outputs[0].token_ids for o in (sync, over)]  # the abort lands a step apart
+    assert min(map(len, cut)) > 0 and cut[0][: len(cut[1])] == cut[1][: len(cut[0])]
+    assert over_eng.num_generated_tokens - len(cut[1]) == sync_eng.num_generated_tokens - len(cut[0])
+    assert sync_l.behind == 0 and sync_l.placeholders == 0
+    assert over_l.behind > 0.5 * over_l.steps and over_l.placeholders > 0  # it did overlap
+    for eng in (sync_eng, over_eng):
+        assert eng.num_preemptions > 0 and eng.block_manager.prefix_hits > 0 and eng.block_manager.swa_blocks_released
+    c = {rid: o.outputs[0] for rid, o in over.items()}
+    assert c["stop_tok"].finish_reason == "stop" and c["stop_tok"].token_ids[-1] == toks[6]
+    assert c["stop_str"].finish_reason == "stop" and len(c["stop_str"].token_ids) < 30
+    assert c["aborted"].finish_reason is None and len(c["aborted"].token_ids) < 50
+    assert len(c["seeded"].token_ids) >= 6 and len(c["long"].token_ids) == 40
+    for rid, seen in streamed.items():  # each streamed output extends the one before, up to the final
+        for before, after in zip(seen, seen[1:], strict=False):
+            assert after[: len(before)] == before and len(after) > len(before), rid
+        assert seen[-1] == c[rid].token_ids
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+def test_overlapped_decode_buckets_fill_placeholders_on_the_device(tiny_model_dir, rng, capture):
+    """Padded decode steps (captured or not) launched behind a running step take their tokens
+    from its draw: the same greedy tokens as in turn without buckets."""
+    prompts = [[int(x) for x in rng.integers(2, 500, n)] for n in (20, 33, 47)]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = []
+    for overlap, kw in ((False, dict(cuda_graph_batch_sizes="")), (True, dict(cuda_graph_batch_sizes="4"))):
+        eng = engine(tiny_model_dir, overlap, cuda_graph_capture=capture and overlap, **kw)
+        launches = Launches(eng)
+        outs.append(drive(eng, {0: [(f"r{i}", p, sp, None) for i, p in enumerate(prompts)]})[0])
+    same_outputs(*outs)
+    assert launches.placeholders > 0
+    if capture:
+        assert eng.runner.graphs.replays > 0
+
+
+@pytest.mark.parametrize("where", ["launch", "finish"])
+def test_a_step_failing_with_one_behind_fails_only_its_request(tiny_model_dir, rng, where):
+    """A fault in a step (at its launch, or when its results are taken, with the next step already
+    launched behind it) fails the request that causes it; the step behind is thrown away and
+    undone, the others are retried one by one and end as an in-turn engine without the fault
+    gives them; every block is free."""
+    prompts = {f"r{i}": [int(x) for x in rng.integers(2, 500, 30 + 7 * i)] for i in range(3)}
+    marker = 1  # only the poisoned prompt holds this token id
+    bad = [int(x) for x in rng.integers(2, 500, 25)] + [marker]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want, _ = drive(engine(tiny_model_dir, False), {0: [(r, p, sp, None) for r, p in prompts.items()]})
+    eng = engine(tiny_model_dir, True)
+    runner, running_at_fault = eng.runner, []
+
+    def poisoned(reqs) -> bool:
+        if any(marker in r.prompt_token_ids and len(r.output_token_ids) >= 3 for r in reqs):
+            running_at_fault.append(len(runner.launched_at))  # steps launched and not finished
+            return True
+        return False
+
+    if where == "launch":  # before any device work of the step
+        launch = runner.launch
+
+        def faulty(prep):
+            if poisoned([r for r, _ in prep.scheduled]):
+                raise RuntimeError("injected step failure")
+            return launch(prep)
+
+        runner.launch = faulty
+    else:  # at the copy-back of the step's draw, inside the runner's finish
+        collect = runner.sampler.collect
+
+        def faulty(drawn):
+            live = [r for r in eng.requests.values() if any(r.sampling_state is st for st in drawn.states)]
+            if poisoned(live):
+                raise RuntimeError("injected step failure")
+            return collect(drawn)
+
+        runner.sampler.collect = faulty
+    plan = {0: [(r, p, sp, None) for r, p in prompts.items()] + [("bad", bad, sp, None)]}
+    got, _ = drive(eng, plan)
+    assert got["bad"].outputs[0].finish_reason == "error" and "injected" in got["bad"].error
+    assert len(got["bad"].outputs[0].token_ids) in (3, 4)  # 4: the token of the step before the fault's
+    for rid in prompts:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+    assert eng.num_request_errors == 1
+    # a launch fault lands with a step running; a fault at taking results, with one launched behind
+    assert max(running_at_fault) == (1 if where == "launch" else 2)
+
+
+def test_structured_outputs_run_in_turn_and_match(tiny_model_dir):
+    """While a request has a grammar, the next step waits for the running one's tokens (its mask
+    needs them); once it finishes, steps overlap again. Same tokens as an in-turn engine."""
+    so = StructuredOutput("regex", "(ab|cd){3,6}x", "structured_outputs.regex")
+    plan = {
+        0: [
+            ("g", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, structured=so), None),
+            ("free", [9, 10, 11, 12], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), None),
+        ]
+    }
+    outs, launches = [], []
+    for overlap in (False, True):
+        eng = engine(tiny_model_dir, overlap)
+        launches.append(Launches(eng))
+        outs.append(drive(eng, plan)[0])
+    same_outputs(*outs)
+    assert outs[1]["g"].outputs[0].finish_reason == "stop"
+    g_steps = len(outs[1]["g"].outputs[0].token_ids)
+    assert 0 < launches[1].behind <= launches[1].steps - g_steps  # none while "g" ran, some after
+
+
+def test_speculation_runs_in_turn_with_the_same_tokens(mtp_model_dir, rng):
+    """MTP drafts come from the running step's tokens: a speculating engine launches no step
+    behind another and gives the in-turn tokens (greedy and seeded)."""
+    sp = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.7, seed=3, ignore_eos=True),
+    ]
+    plan = {0: [(f"r{i}", [int(x) for x in rng.integers(4, 256, 24)], sp[i], None) for i in range(2)]}
+    outs = []
+    for overlap in (False, True):
+        eng = engine(mtp_model_dir, overlap, speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')
+        launches = Launches(eng)
+        outs.append(drive(eng, plan)[0])
+        assert launches.behind == 0
+    same_outputs(*outs)
+    assert eng.spec.num_accepted_tokens > 0
