@@ -36,14 +36,15 @@ logger = logging.getLogger("fastdeploy")
 
 
 class DecodeGraphs:
-    """``forward``: ForwardMeta -> logits float32 [B, vocab] of every row. ``buckets`` ascending
-    batch sizes; ``null_block`` each KV cache group's null block id (its order is the tables'
-    order in ``staging``); ``max_model_len`` bounds a row's context (the table width is its blocks);
-    ``cuda``: capture CUDA graphs (else re-run the body)."""
+    """``forward``: ForwardMeta -> (hidden states [B, hidden], logits float32 [B, vocab]) of every
+    row. ``buckets`` ascending row counts (decode batches; with speculation also verify steps'
+    requests x (k + 1) rows); ``null_block`` each KV cache group's null block id (its order is the
+    tables' order in ``staging``); ``max_model_len`` bounds a row's context (the table width is its
+    blocks); ``cuda``: capture CUDA graphs (else re-run the body)."""
 
     def __init__(
         self,
-        forward: Callable[[ForwardMeta], paddle.Tensor],
+        forward: Callable[[ForwardMeta], tuple[paddle.Tensor, paddle.Tensor]],
         builder: ForwardMetaBuilder,
         buckets: tuple[int, ...],
         null_block: dict[str, int],
@@ -56,19 +57,45 @@ class DecodeGraphs:
         self.row_len = 2 + self.width * len(self.null_block)
         self.staging = paddle.zeros([self.buckets[-1] * self.row_len], "int32")
         self.graphs: dict[int, object] = {}
-        self.outputs: dict[int, paddle.Tensor] = {}
+        self.outputs: dict[int, tuple[ForwardMeta, paddle.Tensor, paddle.Tensor]] = {}
         self.replays = 0  # steps run captured
 
     def takes(self, step: StepInputs) -> bool:
-        """Whether ``step`` runs captured: a pure-decode step already padded to a bucket whose
-        every sampled row is its own (no drafts), with no prompt logprobs and tables that fit."""
+        """Whether ``step`` runs captured: every token of the step samples, in order (a pure
+        decode, padded to its bucket; or a verify step, each request's last token and its drafts,
+        run as one decode row a token), within the largest bucket, with no prompt logprobs and
+        tables that fit."""
+        T = len(step.input_ids)
+        if step.is_decode:
+            ok = step.batch_size in self.buckets and all(len(r) == 1 for r in step.sample_rows)
+        else:  # each request samples at every one of its tokens
+            spans, row = [], 0
+            for enc in step.seq_lens_encoder:
+                spans.append(list(range(row, row + max(enc, 1))))
+                row += max(enc, 1)
+            ok = row == T <= self.buckets[-1] and step.sample_rows == spans
+            ok = ok and step.samples_at == list(range(step.batch_size))
         return (
-            step.batch_size in self.buckets
-            and step.is_decode
+            ok
             and not step.prompt_logprobs.rows
-            and all(len(r) == 1 for r in step.sample_rows)
             and all(len(row) <= self.width for rows in step.block_tables.values() for row in rows)
         )
+
+    def rows_of(self, step: StepInputs) -> tuple[int, list[int], list[int], dict[str, list[list[int]]]]:
+        """A step ``takes`` accepted as decode rows padded to a bucket: the bucket B, and per row
+        its token, position and tables (a verify request's rows share its tables; padding rows:
+        token 0 at position 0, the null block)."""
+        pos, tables = [], {g: [] for g in self.null_block}
+        for b, (enc, dec) in enumerate(zip(step.seq_lens_encoder, step.seq_lens_decoder, strict=True)):
+            for j in range(max(enc, 1)):
+                pos.append(dec + j)
+                for g, rows in tables.items():
+                    rows.append(step.block_tables[g][b])
+        B = next(b for b in self.buckets if b >= len(pos))
+        pad = B - len(pos)
+        for g, rows in tables.items():
+            rows += [[self.null_block[g]]] * pad
+        return B, list(step.input_ids) + [0] * pad, pos + [0] * pad, tables
 
     def host_buffer(self, ids: list[int], positions: list[int], tables: dict[str, list[list[int]]]) -> np.ndarray:
         """int32: ids [B], positions [B], then each group's tables [B, w] (w: the longest row),
@@ -88,12 +115,13 @@ class DecodeGraphs:
             at += B * self.width
         return views
 
-    def body(self, B: int) -> paddle.Tensor:
-        """The captured step of bucket B: inputs out of ``staging`` (device ops), the model, its
-        logits [B, vocab]."""
+    def body(self, B: int) -> tuple[ForwardMeta, paddle.Tensor, paddle.Tensor]:
+        """The captured step of bucket B: inputs out of ``staging`` (device ops), its ForwardMeta,
+        the model's hidden states [B, hidden] and its logits [B, vocab]."""
         ids, pos = self.staging[:B].astype("int64"), self.staging[B : 2 * B].astype("int64")
         tables = dict(zip(self.null_block, self.table_views(B), strict=True))
-        return self.forward(self.builder.build_decode(ids, pos, tables, self.max_model_len))
+        meta = self.builder.build_decode(ids, pos, tables, self.max_model_len)
+        return meta, *self.forward(meta)
 
     def fill(self, buf: np.ndarray, B: int) -> None:
         """The step's one host-to-device copy (``host_buffer``'s layout for B rows), then its
@@ -131,12 +159,13 @@ class DecodeGraphs:
 
     def run(
         self, step: StepInputs, at: paddle.Tensor | None = None, filled: paddle.Tensor | None = None
-    ) -> paddle.Tensor:
-        """Logits [B, vocab] of a step ``takes`` accepted: one copy into ``staging`` (then, for
-        placeholder rows ``at`` int64 [P], their tokens ``filled`` int64 [P] from the device),
-        then the bucket's replay (or its body)."""
-        B = step.batch_size
-        self.fill(self.host_buffer(step.input_ids, step.seq_lens_decoder, step.block_tables), B)
+    ) -> tuple[ForwardMeta, paddle.Tensor, paddle.Tensor]:
+        """ForwardMeta, hidden states and logits [B, vocab] of a step ``takes`` accepted, its
+        tokens as the bucket's first rows: one copy into ``staging`` (then, for placeholder rows
+        ``at`` int64 [P], their tokens ``filled`` int64 [P] from the device), then the bucket's
+        replay (or its body)."""
+        B, ids, pos, tables = self.rows_of(step)
+        self.fill(self.host_buffer(ids, pos, tables), B)
         if at is not None:
             self.staging[:B] = paddle.scatter(self.staging[:B], at, filled.astype("int32"))
         self.replays += 1

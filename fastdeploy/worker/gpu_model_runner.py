@@ -53,8 +53,8 @@ class PreparedStep:
 
 @dataclass(frozen=True)
 class RunningStep:
-    """A launched step: its logits on the device (None: no row samples), its draw (None when its
-    rows verify drafts, drawn at ``finish``) and its prompt logprobs."""
+    """A launched step: its draw, or (rows verifying drafts, drawn at ``finish``) its logits on
+    the device (both None: no row samples), and its prompt logprobs."""
 
     prep: PreparedStep
     logits: paddle.Tensor | None
@@ -108,24 +108,25 @@ class GPUModelRunner:
 
     def capture_decode_graphs(self) -> DecodeGraphs | None:
         """Each decode bucket captured (docs/design.md §4.11), when ``cuda_graph_capture`` asks,
-        ``enforce_eager`` does not forbid it and buckets exist; not with speculation (its verify
-        steps are not pure decodes, and its draft pass reads the step's host arrays)."""
+        ``enforce_eager`` does not forbid it and buckets exist; with speculation (k drafts) also
+        the verify steps of each bucket's requests, bucket x (k + 1) rows (§4.16)."""
         sc = self.fd.scheduler_config
         if not sc.cuda_graph_capture or sc.enforce_eager or not sc.cuda_graph_batch_sizes:
             return None
-        if self.spec is not None:
-            logger.warning("cuda_graph_capture is off under speculative decoding: decode steps run eagerly")
-            return None
         layers = self.caches[: self.fd.model_config.num_hidden_layers]
+        buckets = set(sc.cuda_graph_batch_sizes)
+        if self.spec is not None:
+            buckets |= {b * (self.spec.k + 1) for b in sc.cuda_graph_batch_sizes}
 
-        def step(meta: ForwardMeta) -> paddle.Tensor:  # warm-up, capture and CPU re-runs alike
+        def step(meta: ForwardMeta) -> tuple[paddle.Tensor, paddle.Tensor]:  # warm-up, capture, CPU re-runs
             with captured_gemms(self.model):
-                return self.model.compute_logits(self.model(meta, layers))
+                hidden = self.model(meta, layers)
+                return hidden, self.model.compute_logits(hidden)
 
         graphs = DecodeGraphs(
             step,
             self.meta_builder,
-            sc.cuda_graph_batch_sizes,
+            tuple(sorted(buckets)),
             self.null_block,
             sc.max_model_len,
             on_gpu(),
@@ -166,9 +167,11 @@ class GPUModelRunner:
         when no request asks). ``filled``: int64 [P] on the device, the tokens of the step's
         placeholders (in ``step.placeholders`` order)."""
         at = paddle.to_tensor([r for r, _ in step.placeholders], dtype="int64") if step.placeholders else None
-        if self.graphs is not None and self.graphs.takes(step):  # every row samples, in order
-            logits = self.graphs.run(step, at, filled)
-            n = len(step.samples_at)
+        if self.graphs is not None and self.graphs.takes(step):  # every token samples, in order
+            meta, hidden, logits = self.graphs.run(step, at, filled)
+            if self.spec is not None:
+                self.spec.remember(step, meta, hidden)
+            n = len(step.samples_at) if step.is_decode else len(step.input_ids)  # verify: every token
             return (logits if n == logits.shape[0] else logits[:n]), None
         meta = self.meta_builder.build(step.input_ids, step.seq_lens_encoder, step.seq_lens_decoder, step.block_tables)
         if at is not None:
@@ -229,8 +232,8 @@ class GPUModelRunner:
             drawn = None
             if logits is not None and not any(drafts):
                 drawn = self.sampler.draw(logits, sampling_batch(reqs, outputs=prep.outputs))
-                self.drawn = (drawn.out.tokens.astype("int64"), {r.request_id: b for b, r in enumerate(reqs)})
-            return RunningStep(prep, logits, drawn, prompt)
+                self.drawn = (drawn.tokens, {r.request_id: b for b, r in enumerate(reqs)})
+            return RunningStep(prep, None if drawn is not None else logits, drawn, prompt)
         except BaseException:
             self.launched_at.pop()
             raise
@@ -245,7 +248,7 @@ class GPUModelRunner:
         prep = running.prep
         try:
             results: Results = [None] * len(prep.scheduled)
-            if running.logits is None:
+            if running.logits is None and running.drawn is None:
                 return results, running.prompt
             step = prep.step
             reqs = [prep.scheduled[i][0] for i in step.samples_at]

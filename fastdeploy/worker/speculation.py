@@ -123,7 +123,8 @@ class MTPProposer:
         out = np.full((len(msg.rows), self.k), -1, np.int64)
         if not msg.rows:
             return out
-        x = self.model(paddle.to_tensor(msg.next_ids, dtype="int64"), hidden, meta, cache)
+        pad = [0] * (hidden.shape[0] - len(msg.next_ids))  # a captured step's padding rows (null blocks)
+        x = self.model(paddle.to_tensor(msg.next_ids + pad, dtype="int64"), hidden, meta, cache)
         rows = paddle.to_tensor(msg.rows, dtype="int64")
         out[:, 0] = paddle.argmax(self.model.compute_logits(x, rows), axis=1).numpy()
         x, live = x[rows], list(range(len(rows)))

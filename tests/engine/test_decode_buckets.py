@@ -336,15 +336,14 @@ def test_a_seed_draws_the_same_tokens_alone_or_in_a_batch(tiny_model_dir, rng):
     assert run(3, "") == alone and run(2, "8") == alone
 
 
-def test_capture_settings(tiny_model_dir, mtp_model_dir, rng, caplog):
-    """--enforce-eager wins over --cuda-graph-capture; speculation turns capture off with a
-    warning; steps that are not a bucket's pure decodes (a batch above every bucket, a prefill,
-    prompt logprobs) run eagerly and give the eager engine's tokens."""
+def test_capture_settings(tiny_model_dir, mtp_model_dir, rng):
+    """--enforce-eager wins over --cuda-graph-capture; speculation with k drafts adds verify
+    buckets of bucket x (k + 1) rows; steps that are not a bucket's decodes or verifies (a batch
+    above every bucket, a prefill, prompt logprobs) run eagerly and give the eager engine's tokens."""
     kw = dict(block_size=16, max_num_seqs=8, cuda_graph_batch_sizes="2", cuda_graph_capture=True)
     assert LLM(tiny_model_dir, enforce_eager=True, **kw).engine.runner.graphs is None
-    spec = '{"method": "mtp", "num_speculative_tokens": 1}'
-    assert LLM(mtp_model_dir, speculative_config=spec, **kw).engine.runner.graphs is None
-    assert "cuda_graph_capture is off under speculative decoding" in caplog.text
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    assert LLM(mtp_model_dir, speculative_config=spec, **kw).engine.runner.graphs.buckets == (2, 6)
     eng = LLM(tiny_model_dir, **kw).engine
     plain = LLM(tiny_model_dir, **{**kw, "cuda_graph_batch_sizes": ""}).engine
     prompts = [[int(x) for x in rng.integers(2, 500, 9 + i)] for i in range(3)]
@@ -365,6 +364,58 @@ def test_capture_settings(tiny_model_dir, mtp_model_dir, rng, caplog):
     assert not graphs.takes(replace(step, seq_lens_encoder=[0, 3]))
     assert not graphs.takes(replace(step, block_tables={"full": [[1], [2] * (graphs.width + 1)]}))
     assert not graphs.takes(replace(step, sample_rows=[[0], [1, 2]]))
+    tables = {g: [[1]] for g in graphs.null_block}
+    verify = StepInputs([5, 6], [2], [3], tables, [0], [[0, 1]])  # a last token and one draft
+    assert graphs.takes(verify) and graphs.rows_of(verify) == (2, [5, 6], [3, 4], {g: [[1], [1]] for g in tables})
+    assert not graphs.takes(replace(verify, sample_rows=[[1]]))  # a token that does not sample
+    three = StepInputs([5, 6, 7], [1, 2], [3, 4], {g: [[1], [2]] for g in tables}, [0, 1], [[0], [1, 2]])
+    assert not graphs.takes(three)  # one decode row a token: 3 rows, above the bucket of 2
+
+
+def test_captured_verify_steps_give_the_eager_tokens(mtp_model_dir, rng, monkeypatch):
+    """Speculation with captured steps: verify steps (each request's last token and its drafts,
+    one decode row a token, padded to a verify bucket) run as graph bodies that read only the
+    step buffer (host copies and uploads raise; the Triton kernels, through the interpreter), and
+    give the eager speculating engine's tokens and logprobs; greedy tokens are those of the engine
+    without speculation. k = 3; a prompt crosses 2W + a block (W 32, block 16)."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 3}'
+    kw = dict(block_size=16, max_num_seqs=4, max_model_len=192, speculative_config=spec, kernel_backend="triton")
+    captured = LLM(mtp_model_dir, cuda_graph_batch_sizes="1,2,4", cuda_graph_capture=True, **kw).engine
+    graphs, shapes = captured.runner.graphs, []
+    body, run = graphs.body, graphs.run
+
+    def guarded(B):
+        with NoHostSync(uploads=True):
+            return body(B)
+
+    def recorded(step, *a):
+        shapes.append(step.is_decode)
+        return run(step, *a)
+
+    monkeypatch.setattr(graphs, "body", guarded)
+    monkeypatch.setattr(graphs, "run", recorded)
+    eager = LLM(mtp_model_dir, cuda_graph_batch_sizes="", **kw).engine
+    plain = LLM(mtp_model_dir, **{**kw, "speculative_config": None, "cuda_graph_batch_sizes": ""}).engine
+    prompts = [[int(x) for x in rng.integers(4, 256, n)] for n in (85, 23)]
+    sps = [
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=4, ignore_eos=True, logprobs=2),
+    ]
+    outs = []
+    for e in (captured, eager, plain):
+        for i, (p, sp) in enumerate(zip(prompts, sps, strict=True)):
+            e.add_request(p, sp, f"r{i}")
+        done = {}
+        while e.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0] for o in e.step()})
+        outs.append(done)
+    for rid, c in outs[0].items():
+        assert c.token_ids == outs[1][rid].token_ids, rid
+        for la, lb in zip(c.logprobs, outs[1][rid].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            np.testing.assert_allclose(list(la.values()), list(lb.values()), rtol=0, atol=3e-3)
+    assert outs[0]["r0"].token_ids == outs[2]["r0"].token_ids
+    assert captured.spec.num_accepted_tokens > 0 and shapes.count(False) > 0  # verify steps ran captured
 
 
 def test_one_copy_fills_the_step_buffer(tiny_model_dir):

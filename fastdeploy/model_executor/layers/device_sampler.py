@@ -48,13 +48,37 @@ def upload(host: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
     return out
 
 
+class HostCopy:
+    """Device tensors on their way to the host. On a GPU each is copied into pinned host memory
+    asynchronously, queued right behind the work that makes it, with an event: a step launched
+    behind it does not delay it, and ``wait`` waits for that event only (a blocking copy made
+    later would also wait for everything queued since). Elsewhere the tensors are already there."""
+
+    def __init__(self, tensors: list[paddle.Tensor]) -> None:
+        self.event = None
+        if tensors and tensors[0].place.is_gpu_place():  # pragma: no cover - CUDA paddle only
+            tensors = [t._copy_to(paddle.CUDAPinnedPlace(), False) for t in tensors]
+            self.event = paddle.device.cuda.Event()
+            self.event.record()
+        self.tensors = tensors
+
+    def wait(self) -> list[np.ndarray]:
+        if self.event is not None:  # pragma: no cover - CUDA paddle only
+            self.event.synchronize()
+        return [t.numpy() for t in self.tensors]
+
+
 @dataclass(frozen=True)
 class Drawn:
-    """A launched draw: the op's device outputs, the logits it drew from, the rows' states."""
+    """A launched draw: the drawn tokens int64 [B] on the device (a step launched behind it takes
+    its placeholders' tokens from them), the rows' states, the rows that want top logprobs, and
+    the copy to the host of [B, 3] (token, logprob, not finite) and of those rows' top logprobs
+    and ids [rows, N] (the logits need not outlive the draw)."""
 
-    out: sampling.Sampled
-    logits: paddle.Tensor
+    tokens: paddle.Tensor
     states: list[SamplingState]
+    top_rows: list[int]
+    host: HostCopy
 
 
 class DeviceSampler:
@@ -165,15 +189,20 @@ class DeviceSampler:
         slots = host["iparams"][:, I_SLOT]
         if (slots >= 0).any():
             self._count(out.tokens, dev["iparams"], slots)
-        return Drawn(out, logits, list(batch.states))
+        want = [st.logprobs or 0 for st in batch.states]
+        top_rows, tops = self._top_logprobs(logits, out.lse, want)
+        got = paddle.stack([out.tokens.astype("float32"), out.logprobs, out.bad.astype("float32")], 1)
+        return Drawn(out.tokens.astype("int64"), list(batch.states), top_rows, HostCopy([got, *tops]))
 
     def collect(self, drawn: Drawn) -> list[SampleResult | Exception]:
         """The draw's results on the host: one [B, 3] copy (the step's sync point), plus the top
         logprobs of the rows that want them."""
-        out, states = drawn.out, drawn.states
-        got = paddle.stack([out.tokens.astype("float32"), out.logprobs, out.bad.astype("float32")], 1).numpy()
-        want = [st.logprobs or 0 for st in states]
-        tops = self._top_logprobs(drawn.logits, out.lse, want)
+        states = drawn.states
+        got, *top = drawn.host.wait()
+        tops = {}
+        for r, b in enumerate(drawn.top_rows):
+            k = states[b].logprobs
+            tops[b] = {int(t): float(v) for t, v in zip(top[1][r, :k], top[0][r, :k], strict=True)}
         results: list[SampleResult | Exception] = []
         for b, st in enumerate(states):
             if got[b, 2]:
@@ -200,17 +229,15 @@ class DeviceSampler:
             self.tally[s] += 1
 
     @staticmethod
-    def _top_logprobs(logits: paddle.Tensor, lse: paddle.Tensor, want: list[int]) -> dict[int, dict[int, float]]:
-        """The rows' N most likely raw tokens (top-k on the device; [rows, N] copied back)."""
+    def _top_logprobs(
+        logits: paddle.Tensor, lse: paddle.Tensor, want: list[int]
+    ) -> tuple[list[int], list[paddle.Tensor]]:
+        """The rows that want top logprobs, and (when any does) their N most likely raw tokens'
+        logprobs float32 and ids int64 [rows, N], a top-k on the device."""
         rows = [b for b, n in enumerate(want) if n > 0]
         if not rows:
-            return {}
+            return [], []
         n = min(max(want), logits.shape[1])
         idx = paddle.to_tensor(np.asarray(rows, np.int64))
         vals, ids = paddle.topk(logits[idx].astype("float32"), n, axis=1)
-        vals = (vals - lse[idx].unsqueeze(1)).numpy()
-        ids = ids.numpy()
-        return {
-            b: {int(t): float(v) for t, v in zip(ids[r, : want[b]], vals[r, : want[b]], strict=True)}
-            for r, b in enumerate(rows)
-        }
+        return rows, [vals - lse[idx].unsqueeze(1), ids]
