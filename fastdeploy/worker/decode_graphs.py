@@ -1,6 +1,8 @@
 """Captured decode steps (docs/design.md §4.11): one persistent step buffer, one graph a bucket.
 
-A pure-decode step of a bucket's size reads nothing but ``staging``, an int32 device buffer
+A step runs captured as decode rows: a pure-decode step (one row a request), or a verify step
+(§4.16: one row a token, a request's last token and its drafts at consecutive positions, all
+with its tables), padded to a bucket. A bucket's step reads nothing but ``staging``, an int32 device buffer
 allocated once for the largest bucket. A step of B rows uses its first B * (2 + groups * width)
 entries, laid out as
 
@@ -11,7 +13,8 @@ ids, the positions and each table's first w columns (w: the step's longest row, 
 columns past w keep what earlier steps wrote, which nothing reads (a row's kernels read its table
 only up to its position's block). The captured body slices and casts its inputs out of
 ``staging``, builds the step's ForwardMeta on the device (``ForwardMetaBuilder.build_decode``),
-runs the model and its LM head, and leaves the logits [B, vocab] in a tensor the graph owns. On a
+runs the model and its LM head, and leaves the ForwardMeta, hidden states and logits [B, vocab]
+in tensors the graph owns. On a
 CUDA build of paddle each bucket is run once eagerly (warm-up: Triton compiles, lazily made
 weights) and then captured with ``paddle.device.cuda.graphs.CUDAGraph``; a replay reruns its
 kernels only. Elsewhere the body is re-run in place of a replay: the host work it repeats gives

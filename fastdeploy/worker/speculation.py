@@ -37,27 +37,40 @@ def verify_drafts(
     rejection sampling (Leviathan et al.): a draft d is kept with probability p(d), and a
     rejected one's replacement is drawn from p without d, renormalised. Each row samples as
     the request's next token would without speculation (seed step, penalties, min_tokens);
-    ``outputs[b]``: request b's output ids as this step sees them (``sampling_batch``)."""
+    ``outputs[b]``: request b's output ids as this step sees them (``sampling_batch``). Row j
+    samples as if drafts 0..j-1 were accepted (only then is it used), so the rows of requests
+    without penalty counts are drawn at once, one copy back a step; a request with penalties
+    draws depth by depth (its count slot holds one history at a time)."""
     out: list[list[SampleResult] | Exception] = [[] for _ in reqs]
-    live = list(range(len(reqs)))
+    outs = outputs if outputs is not None else [r.output_token_ids for r in reqs]
+
+    def draw(rows: list[tuple[int, int]]) -> list[SampleResult | Exception]:
+        at = [int(first[b]) + j for b, j in rows]
+        picked = logits if at == list(range(logits.shape[0])) else logits[paddle.to_tensor(at, dtype="int64")]
+        batch = sampling_batch([reqs[b] for b, _ in rows], [drafts[b][:j] for b, j in rows], [outs[b] for b, _ in rows])
+        return sampler.sample(picked, batch)
+
+    def accept(b: int, j: int, r: SampleResult | Exception) -> bool:
+        """Take row j's sample; whether row j + 1 is needed (the sample is its draft)."""
+        if isinstance(r, Exception):
+            if not out[b]:  # else the tokens accepted before it stand
+                out[b] = r
+            return False
+        out[b].append(r)
+        return j < len(drafts[b]) and r.token_id == drafts[b][j]
+
+    at_once = [(b, j) for b, r in enumerate(reqs) if not r.sampling_state.penalized for j in range(len(drafts[b]) + 1)]
+    got = dict(zip(at_once, draw(at_once), strict=True)) if at_once else {}
+    for b in {b for b, _ in at_once}:
+        j = 0
+        while accept(b, j, got[b, j]):
+            j += 1
+    live = [b for b, r in enumerate(reqs) if r.sampling_state.penalized]
     for j in range(1 + max(len(d) for d in drafts)):
         if not live:
             break
-        idx = paddle.to_tensor([int(first[b]) + j for b in live], dtype="int64")
-        pending = [[r.token_id for r in out[b]] for b in live]
-        rows = logits if j == 0 and len(live) == logits.shape[0] else logits[idx]
-        nxt = []
-        outs = None if outputs is None else [outputs[b] for b in live]
-        batch = sampling_batch([reqs[b] for b in live], pending, outs)
-        for b, r in zip(live, sampler.sample(rows, batch), strict=True):
-            if isinstance(r, Exception):
-                if not out[b]:  # else the tokens accepted before it stand
-                    out[b] = r
-                continue
-            out[b].append(r)
-            if j < len(drafts[b]) and r.token_id == drafts[b][j]:
-                nxt.append(b)
-        live = nxt
+        rows = [(b, j) for b in live]
+        live = [b for (b, _), r in zip(rows, draw(rows), strict=True) if accept(b, j, r)]
     return out
 
 

@@ -4,6 +4,7 @@ prefix hits, preemption and n > 1; stop strings that end inside accepted drafts;
 unchanged; rejection sampling keeps the target's distribution; and after every step the SWA
 blocks and prefix hashes follow the accepted tokens only, all blocks free at the end."""
 
+import itertools
 import time
 
 import numpy as np
@@ -174,28 +175,33 @@ def test_stop_strings_ending_inside_accepted_drafts(mtp_model_dir, rng):
     assert inside > 0
 
 
-def test_seeded_sampling_unchanged_by_speculation(mtp_model_dir, rng):
+@pytest.mark.parametrize("penalties", [True, False])
+def test_seeded_sampling_unchanged_by_speculation(mtp_model_dir, rng, penalties):
     """Each verified row samples as the request's next token would: same seed step, penalties and
-    min_tokens, so seeded output is the same token for token."""
-    kw = {
-        "temperature": 0.7,
-        "top_p": 0.9,
-        "presence_penalty": 0.4,
-        "frequency_penalty": 0.2,
-        "repetition_penalty": 1.1,
-        "min_tokens": 10,
-        "max_tokens": 40,
-        "logprobs": 1,
-    }
+    min_tokens, so seeded output is the same token for token. Without penalties every row of a
+    verify step is drawn at once (one copy back a step); with them, depth by depth."""
+    kw = {"temperature": 0.7, "top_p": 0.9, "min_tokens": 10, "max_tokens": 40, "logprobs": 1}
+    if penalties:
+        kw.update(presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.1)
     plan = {
         0: [(f"r{i}", [int(x) for x in rng.integers(4, 256, 20 + i)], {**kw, "seed": 11 + i}, None) for i in range(4)]
     }
     plain = drive(engine(mtp_model_dir, 0), plan)
     eng = engine(mtp_model_dir, 2)
+    copies, finish, collect = [], eng.runner.finish, eng.runner.sampler.collect
+    eng.runner.sampler.collect = lambda drawn: copies.append(1) or collect(drawn)
+    eng.runner.finish = lambda running: copies.append(0) or finish(running)
     got = drive(eng, plan)
     for rid, o in plain.items():
         assert got[rid].outputs[0].token_ids == o.outputs[0].token_ids, rid
+        for a, b in zip(got[rid].outputs[0].logprobs, o.outputs[0].logprobs, strict=True):
+            np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=0, atol=3e-3)
     assert eng.spec.num_accepted_tokens > 0
+    per_step = [len(list(g)) for k, g in itertools.groupby(copies, key=bool) if k]  # copies a step
+    if penalties:
+        assert max(per_step) > 1  # a verify step drew depth by depth
+    else:
+        assert max(per_step) == 1  # one draw and copy back a step
 
 
 def test_a_verify_row_that_cannot_sample_fails_only_what_it_must(rng):
