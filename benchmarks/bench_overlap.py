@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import paddle
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_host_step import VOCAB, StandInModel, stand_in_sampler  # noqa: E402
+from bench_host_step import VOCAB, StandInModel, decode_ms, stand_in_sampler  # noqa: E402
 
 from fastdeploy.engine.args import EngineArgs  # noqa: E402
 from fastdeploy.engine.engine import LLMEngine  # noqa: E402
@@ -106,20 +105,7 @@ def run_case(model_dir: str, n: int, device_ms: float, overlap: bool, steps: int
     runner.model = TimedModel(runner.model, logits, clock)
     timed_sampler(runner, n, clock)
     sp = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=50)
-    for i in range(n):
-        engine.add_request([5 + i % 50] * 64, sp)
-    while any(not r.output_token_ids for r in engine.requests.values()):
-        engine.step()
-    for _ in range(3):  # the loop's steady state: one step in flight
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        outs = engine.step()
-        times.append(time.perf_counter() - t)
-        assert len(outs) == n, (len(outs), n)
-    engine.shutdown()
-    return statistics.median(times) * 1e3
+    return decode_ms(engine, n, sp, steps)
 
 
 def main() -> None:
@@ -133,13 +119,13 @@ def main() -> None:
     paddle.set_device("cpu")
     model_dir = make_tiny_model(os.path.join(tempfile.gettempdir(), "fd-bench-overlap"))
     rows = []
-    print("| requests | host ms | stand-in ms | in order ms | overlapped ms | overlapped - max(host, stand-in) |")
+    print("| requests | host ms | stand-in ms | in turn ms | overlapped ms | overlapped - max(host, stand-in) |")
     print("|---|---|---|---|---|---|")
     for n, d in zip(a.requests, device, strict=True):
         host = run_case(model_dir, n, 0.0, False, a.steps)
         sync = run_case(model_dir, n, d, False, a.steps)
         over = run_case(model_dir, n, d, True, a.steps)
-        rows.append({"requests": n, "host_ms": host, "device_ms": d, "in_order_ms": sync, "overlapped_ms": over})
+        rows.append({"requests": n, "host_ms": host, "device_ms": d, "in_turn_ms": sync, "overlapped_ms": over})
         print(f"| {n} | {host:.2f} | {d:.1f} | {sync:.2f} | {over:.2f} | {over - max(host, d):+.2f} |")
     if a.json:
         with open(a.json, "w") as fh:

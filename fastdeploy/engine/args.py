@@ -94,7 +94,7 @@ class EngineArgs:
         False,
         "capture each bucket's pure-decode step as a CUDA graph at start and replay it (a CUDA build of paddle; "
         "elsewhere the captured step is re-run, which checks its contract and saves nothing); off by default until "
-        "timed on a CUDA build of paddle; not with speculative decoding",
+        "timed on a CUDA build of paddle; with speculative decoding, verify steps too",
     )
     async_scheduling: bool = setting(
         True,
