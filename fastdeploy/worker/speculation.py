@@ -131,7 +131,8 @@ class MTPProposer:
         states), each row reading the token after it (``next_ids``); then for each drafting
         request (``rows``: its row of the step, ``pos``: that row's position) ``depth`` - 1 more
         one-token passes on its own drafts at positions pos + 1, ... (their KV is rewritten when
-        the target computes those positions). Arg-max drafts int64 [D, k], -1 past a request's depth."""
+        the target computes those positions). Each pass's drafts feed the next on the device; they
+        come back in one copy at the end. Arg-max drafts int64 [D, k], -1 past a request's depth."""
         step, meta, hidden = self.last_step
         out = np.full((len(msg.rows), self.k), -1, np.int64)
         if not msg.rows:
@@ -139,17 +140,25 @@ class MTPProposer:
         pad = [0] * (hidden.shape[0] - len(msg.next_ids))  # a captured step's padding rows (null blocks)
         x = self.model(paddle.to_tensor(msg.next_ids + pad, dtype="int64"), hidden, meta, cache)
         rows = paddle.to_tensor(msg.rows, dtype="int64")
-        out[:, 0] = paddle.argmax(self.model.compute_logits(x, rows), axis=1).numpy()
+        drafts = paddle.argmax(self.model.compute_logits(x, rows), axis=1)
         x, live = x[rows], list(range(len(rows)))
+        passes = [(live, drafts)]
         for j in range(1, max(msg.depth)):
             keep = [i for i, li in enumerate(live) if msg.depth[li] > j]
             live = [live[i] for i in keep]
-            x = x[paddle.to_tensor(keep, dtype="int64")]
+            at = paddle.to_tensor(keep, dtype="int64")
+            x, ids = x[at], drafts[at]
             tables = {g: [t[msg.batch[li]] for li in live] for g, t in step.block_tables.items()}
-            pos = [msg.pos[li] + j for li in live]
-            meta = builder.build(out[live, j - 1], [0] * len(live), pos, tables)
-            x = self.model(paddle.to_tensor(out[live, j - 1]), x, meta, cache)
-            out[live, j] = paddle.argmax(self.model.compute_logits(x, paddle.arange(len(live))), axis=1).numpy()
+            meta = builder.build([0] * len(live), [0] * len(live), [msg.pos[li] + j for li in live], tables)
+            meta.input_ids = ids  # the tokens stay on the device
+            x = self.model(ids, x, meta, cache)
+            drafts = paddle.argmax(self.model.compute_logits(x, paddle.arange(len(live))), axis=1)
+            passes.append((live, drafts))
+        got = paddle.concat([d for _, d in passes]).numpy()  # the one copy back
+        at = 0
+        for j, (rows_j, _) in enumerate(passes):
+            out[rows_j, j] = got[at : at + len(rows_j)]
+            at += len(rows_j)
         return out
 
     @staticmethod
