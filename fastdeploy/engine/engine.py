@@ -255,9 +255,9 @@ class LLMEngine:
         return sched
 
     def _launch(self, sched: SchedulerOutput) -> Launched:
-        """Hand a scheduled step to the device (the device thread, or here when in order): its
-        inputs are built now, then each request counts the step's tokens as computed and its
-        sample as pending."""
+        """Hand a scheduled step to the device: its inputs are built now, each request counts the
+        step's tokens as computed and its sample as pending, then the runner queues its device
+        work (a failure to launch is kept, to be taken as the step's failure)."""
         prep = self.runner.prepare(sched.scheduled)
         drafts = [req.num_drafts(n) for req, n in sched.scheduled]  # before the runner proposes new ones
         samples = set(prep.step.samples_at)
