@@ -30,7 +30,7 @@ from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitm
 from fastdeploy.request import Request, sampling_batch
 from fastdeploy.worker.decode_graphs import DecodeGraphs
 from fastdeploy.worker.kv_sizing import group_bytes_per_block, num_blocks_for, on_gpu
-from fastdeploy.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs, record_prompt_logprobs
+from fastdeploy.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from fastdeploy.worker.speculation import MTPProposer, Results, verify_drafts
 from fastdeploy.worker.step_inputs import PLACEHOLDER, DraftStep, StepInputs, build_step_inputs
 
@@ -54,12 +54,14 @@ class PreparedStep:
 @dataclass(frozen=True)
 class RunningStep:
     """A launched step: its draw, or (rows verifying drafts, drawn at ``finish``) its logits on
-    the device (both None: no row samples), and its prompt logprobs."""
+    the device (both None: no row samples), its prompt logprobs, and per sampling request the
+    drafts its rows verify."""
 
     prep: PreparedStep
     logits: paddle.Tensor | None
     drawn: Drawn | None
     prompt: PromptLogprobs | None
+    drafts: list[list[int]]
 
 
 class GPUModelRunner:
@@ -205,7 +207,7 @@ class GPUModelRunner:
         back at once). A failure of the model step itself raises."""
         self.launched_at.append(time.monotonic())  # the watchdog times the input broadcast too
         if not prep.scheduled:
-            return RunningStep(prep, None, None, None)
+            return RunningStep(prep, None, None, None, [])
         try:
             step = self.tp.broadcast_object(prep.step)
             filled = None
@@ -226,14 +228,14 @@ class GPUModelRunner:
             finally:
                 words = masks.result() if masks is not None else None  # never left running
             if logits is not None and words is not None:
-                first = np.concatenate([[0], np.cumsum([len(r) for r in step.sample_rows])[:-1]])
-                at = [int(first[i]) + j for i in masked for j in range(len(step.sample_rows[i]))]
+                first = step.first_logit_rows
+                at = [first[i] + j for i in masked for j in range(len(step.sample_rows[i]))]
                 logits = apply_token_bitmask(logits, words, at, self.fd.kernel_config.triton)
             drawn = None
             if logits is not None and not any(drafts):
                 drawn = self.sampler.draw(logits, sampling_batch(reqs, outputs=prep.outputs))
                 self.drawn = (drawn.tokens, {r.request_id: b for b, r in enumerate(reqs)})
-            return RunningStep(prep, None if drawn is not None else logits, drawn, prompt)
+            return RunningStep(prep, None if drawn is not None else logits, drawn, prompt, drafts)
         except BaseException:
             self.launched_at.pop()
             raise
@@ -254,11 +256,8 @@ class GPUModelRunner:
             reqs = [prep.scheduled[i][0] for i in step.samples_at]
             if running.drawn is not None:
                 verified = [[r] if isinstance(r, SampleResult) else r for r in self.sampler.collect(running.drawn)]
-            else:  # rows verifying drafts: each row's draw depends on the one before's acceptance
-                rows = [len(r) for r in step.sample_rows]
-                first = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
-                drafts = [r.draft_token_ids[: n - 1] for r, n in zip(reqs, rows, strict=True)]
-                verified = verify_drafts(self.sampler, running.logits, reqs, first, drafts)
+            else:  # rows verifying drafts: whether a row is used depends on the acceptance before it
+                verified = verify_drafts(self.sampler, running.logits, reqs, step.first_logit_rows, running.drafts)
             for i, r in zip(step.samples_at, verified, strict=True):
                 results[i] = r
             if self.spec is not None:
@@ -272,14 +271,6 @@ class GPUModelRunner:
     def step_started(self) -> float | None:
         """When the oldest step not yet finished was launched (None: none is running)."""
         return self.launched_at[0] if self.launched_at else None
-
-    def execute(self, scheduled: list[tuple[Request, int]]) -> Results:
-        """One step in order (launched and finished), its prompt logprobs recorded."""
-        prep = self.prepare(scheduled)
-        results, prompt = self.finish(self.launch(prep))
-        if prompt is not None:
-            record_prompt_logprobs(scheduled, prep.starts, prompt)
-        return results
 
     def propose_drafts(self, scheduled: list[tuple[Request, int]], starts: list[int], results: Results) -> None:
         """The driver: every rank runs the draft pass over this step; each sampled request gets

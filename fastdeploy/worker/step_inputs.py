@@ -38,6 +38,16 @@ class StepInputs:
     placeholders: tuple[tuple[int, str], ...] = ()
 
     @property
+    def first_logit_rows(self) -> list[int]:
+        """Per sampling request, the first of its rows in the step's logits (its sample rows, in
+        order, one logits row each)."""
+        first, at = [], 0
+        for rows in self.sample_rows:
+            first.append(at)
+            at += len(rows)
+        return first
+
+    @property
     def batch_size(self) -> int:
         return len(self.seq_lens_encoder)
 
