@@ -509,16 +509,34 @@ MAX_SPECULATIVE_TOKENS = 8
 @dataclass
 class ParallelConfig:
     """``tensor_parallel_size`` ranks split the model (docs/design.md §4.9); a rank that stops
-    answering for ``dist_timeout`` seconds stops the driver."""
+    answering for ``dist_timeout`` seconds stops the driver. ``data_parallel_size`` engine cores
+    each schedule their own requests on their own TP group (§4.19); with
+    ``enable_expert_parallel`` the routed experts are split over all D x TP ranks (each MoE layer
+    gathers every rank's tokens), without it each core is a whole replica."""
 
     tensor_parallel_size: int = 1
     dist_timeout: float = 60.0
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout must be positive, got {self.dist_timeout!r}")
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the routed experts are split over (1: not expert parallel)."""
+        return self.data_parallel_size * self.tensor_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether the data-parallel engine cores step together: their MoE layers gather every
+        core's tokens, so a core with nothing to run takes a dummy step (§4.19)."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel
 
 
 SPARSE_MLA_PROVIDERS = ("flashmla", "triton", "reference")
@@ -587,6 +605,24 @@ class FDConfig:
         for key, v in splits.items():
             if v % n:
                 raise ValueError(f"config key {key!r}={v} does not divide over tensor_parallel_size={n}")
+        pc = self.parallel_config
+        if pc.enable_expert_parallel and (mc.n_routed_experts or 0) % pc.expert_parallel_size:
+            raise ValueError(
+                f"config key 'n_routed_experts'={mc.n_routed_experts} does not divide over the "
+                f"{pc.expert_parallel_size} expert-parallel ranks (data_parallel_size x tensor_parallel_size)"
+            )
+        if pc.lockstep:  # every core runs one forward a loop turn (docs/design.md §4.19)
+            if self.speculative_config.k:
+                raise ValueError(
+                    "speculative_config: not with data_parallel_size > 1 and enable_expert_parallel (a draft pass "
+                    "is a forward the other engine cores would have to mirror; not built yet)"
+                )
+            if sc.cuda_graph_capture:
+                raise ValueError(
+                    "cuda_graph_capture: not with enable_expert_parallel over data-parallel ranks (the MoE "
+                    "dispatch reads every rank's token count on the host)"
+                )
+            sc.async_scheduling = False  # one forward a step, in turn (the cores' lockstep counts steps)
         if sc.max_model_len is None:
             sc.max_model_len = mc.max_position_embeddings
         elif sc.max_model_len > mc.max_position_embeddings:

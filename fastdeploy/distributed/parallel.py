@@ -73,6 +73,7 @@ class TPGroup:
     workers: list = field(default_factory=list)  # child processes this driver started
     beats: list = field(default_factory=list)  # per worker, the read end of its liveness pipe
     activity: Activity = field(default_factory=Activity)  # this rank's, told by its beats
+    src: int = 0  # the global rank of this group's driver (its rank 0), the source of broadcasts
 
     @property
     def is_driver(self) -> bool:
@@ -130,6 +131,17 @@ class TPGroup:
             dist.all_gather(parts, x.contiguous(), group=self.group)
         return paddle.concat(parts, axis=axis)
 
+    def all_reduce_host(self, values: list[int]) -> list[int]:
+        """Element-wise sum over ranks of a few host ints (over the CPU group)."""
+        if self.world_size == 1:
+            return list(values)
+        import paddle.distributed as dist
+
+        x = paddle.to_tensor(values, dtype="int64")
+        with self.activity.collective():
+            dist.all_reduce(x, group=self.cpu_group)
+        return [int(v) for v in x.numpy()]
+
     def all_gather_last(self, x: paddle.Tensor) -> paddle.Tensor:
         """Concatenate every rank's x along the last axis, in rank order."""
         return self.all_gather(x, -1)
@@ -164,7 +176,7 @@ class TPGroup:
         import paddle.distributed as dist
 
         with self.activity.collective():
-            dist.broadcast(x, src=0, group=self.group)
+            dist.broadcast(x, src=self.src, group=self.group)
         return x
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -176,15 +188,15 @@ class TPGroup:
         data = pickle.dumps(obj) if self.is_driver else b""
         n = paddle.to_tensor([len(data)], dtype="int64")
         with self.activity.collective():
-            dist.broadcast(n, src=0, group=self.cpu_group)
+            dist.broadcast(n, src=self.src, group=self.cpu_group)
             size = int(n.numpy()[0])
         buf = paddle.to_tensor(np.frombuffer(data, np.uint8)) if self.is_driver else paddle.zeros([size], "uint8")
         with self.activity.collective():
-            dist.broadcast(buf, src=0, group=self.cpu_group)
+            dist.broadcast(buf, src=self.src, group=self.cpu_group)
         return obj if self.is_driver else pickle.loads(buf.numpy().tobytes())
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -212,8 +224,8 @@ def spawn_workers(world_size: int, worker_argv: list[str]) -> tuple[list[subproc
     """Start ranks 1..world_size-1 on this node (``python -m fastdeploy.worker.tp_worker ARGV``)
     and give this process rank 0's environment; each worker beats into a pipe whose write end it
     inherits (``BEAT_ENV``). Returns the processes and the pipes' read ends (non-blocking)."""
-    endpoints = [f"127.0.0.1:{_free_port()}" for _ in range(world_size)]
-    master = f"127.0.0.1:{_free_port()}"
+    endpoints = [f"127.0.0.1:{free_port()}" for _ in range(world_size)]
+    master = f"127.0.0.1:{free_port()}"
     procs, beats = [], []
     for r in range(1, world_size):
         rd, wr = os.pipe()
@@ -269,3 +281,59 @@ def init_tensor_parallel(
     # host arrays over gloo: on CPU the default group already is gloo (a second one only races)
     cpu = dist.new_group(list(range(world_size)), backend="gloo") if paddle.is_compiled_with_cuda() else None
     return TPGroup(dist.get_rank(), world_size, None, cpu, workers, beats, activity)
+
+
+@dataclass
+class Parallel:
+    """This process's groups: ``tp`` its tensor-parallel group (the model split), ``ep`` the
+    expert-parallel group (None: experts split over ``tp`` as the rest of the model), ``dp`` the
+    data-parallel engine cores' drivers stepping together (None: this core steps alone; on
+    other ranks of a core's TP group: None too)."""
+
+    tp: TPGroup
+    ep: TPGroup | None = None
+    dp: TPGroup | None = None
+
+
+def init_parallel(pc: Any, worker_argv: list[str] | None = None, activity: Activity | None = None) -> Parallel:
+    """The groups of this process for ``pc`` (a ParallelConfig). Without expert parallelism over
+    data-parallel cores, each core is a TP world of its own (``init_tensor_parallel``). With it
+    (``pc.lockstep``), the front started every rank of one world of D x TP (core r's TP group is
+    ranks r*TP .. r*TP + TP - 1, its driver r*TP): experts split over the world, host ints for the
+    cores' lockstep over the drivers. Every rank creates every group, in the same order."""
+    activity = activity or Activity()
+    if not pc.lockstep:
+        tp = init_tensor_parallel(pc.tensor_parallel_size, worker_argv, activity)
+        ep = None
+        if pc.enable_expert_parallel:  # one core: the experts' group is its TP group
+            ep = TPGroup(tp.rank, tp.world_size, tp.group, tp.cpu_group, activity=activity)
+        return Parallel(tp, ep)
+    T, world = pc.tensor_parallel_size, pc.data_parallel_size * pc.tensor_parallel_size
+    launched = int(os.environ.get(LAUNCH_ENV, "0"))
+    if launched != world:
+        raise ValueError(
+            f"data_parallel_size x tensor_parallel_size = {world} ranks, but {launched or 'no'} were launched "
+            "(the data-parallel front starts them)"
+        )
+    import paddle.distributed as dist
+
+    dist.init_parallel_env()
+    g = dist.get_rank()
+    gpu = paddle.is_compiled_with_cuda()
+
+    def group(ranks: list[int]) -> tuple[Any, Any]:  # (device collectives, host collectives)
+        dev = dist.new_group(ranks)
+        return dev, dist.new_group(ranks, backend="gloo") if gpu else dev
+
+    world_cpu = dist.new_group(list(range(world)), backend="gloo") if gpu else None
+    ep = TPGroup(g, world, None, world_cpu, activity=activity)
+    tp = TPGroup(activity=activity)
+    for r in range(pc.data_parallel_size):
+        ranks = list(range(r * T, (r + 1) * T))
+        dev, cpu = group(ranks) if T > 1 else (None, None)
+        if g in ranks and T > 1:
+            tp = TPGroup(g - r * T, T, dev, cpu, activity=activity, src=r * T)
+    drivers = list(range(0, world, T))
+    dp_dev, dp_cpu = group(drivers) if T > 1 else (None, world_cpu)
+    dp = TPGroup(g // T, len(drivers), dp_dev, dp_cpu, activity=activity) if g % T == 0 else None
+    return Parallel(tp, ep, dp)

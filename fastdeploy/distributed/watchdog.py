@@ -21,7 +21,8 @@ class RankWatchdog:
     """``workers`` the spawned ranks 1..N-1; ``beats`` the read ends of their liveness pipes (by
     rank - 1; none for ranks a launcher started); ``step_started`` the monotonic time the running
     step began (None between steps); ``driver_computed`` whether the driver computed since the
-    last call (``parallel.Activity.computed``; None: taken as waiting)."""
+    last call (``parallel.Activity.computed``; None: taken as waiting); ``names`` how a failure
+    names each worker (default "tensor-parallel rank R")."""
 
     def __init__(
         self,
@@ -32,8 +33,10 @@ class RankWatchdog:
         interval: float = 0.2,
         beats: list[int] | None = None,
         driver_computed: Callable[[], bool] | None = None,
+        names: list[str] | None = None,
     ) -> None:
         self.workers, self.step_started, self.timeout = workers, step_started, timeout
+        self.names = names or [f"tensor-parallel rank {r}" for r in range(1, len(workers) + 1)]
         self.on_failure, self.interval = on_failure, interval
         self.driver_computed = driver_computed or (lambda: False)
         self.beats = list(beats or [])
@@ -53,7 +56,7 @@ class RankWatchdog:
         """One poll: read the beats; the failure to report, if any."""
         for rank, p in enumerate(self.workers, start=1):
             if p.poll() is not None:
-                return f"tensor-parallel rank {rank} exited with status {p.returncode}"
+                return f"{self.names[rank - 1]} exited with status {p.returncode}"
         if self.driver_computed():
             self.last_computed[0] = now
         for rank, fd in enumerate(self.beats, start=1):
@@ -67,7 +70,7 @@ class RankWatchdog:
                     self.last_computed[rank] = now
             if now - self.last_beat[rank - 1] > self.timeout:
                 return (
-                    f"tensor-parallel rank {rank} sent no liveness beat for over {self.timeout:g} s "
+                    f"{self.names[rank - 1]} sent no liveness beat for over {self.timeout:g} s "
                     "(stopped or hung; --dist-timeout)"
                 )
         started = self.step_started()

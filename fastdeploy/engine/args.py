@@ -64,6 +64,17 @@ class EngineArgs:
         1, "ranks the model is split over; started here, or taken from paddle.distributed.launch"
     )
     dist_timeout: float = setting(60.0, "seconds a tensor-parallel rank may stay silent before the driver exits")
+    data_parallel_size: int = setting(
+        1,
+        "engine cores, each scheduling its own requests with its own KV cache on its own tensor_parallel_size "
+        "ranks, behind one front that routes requests (least loaded, longest routed prefix first)",
+    )
+    enable_expert_parallel: bool = setting(
+        False,
+        "split the routed experts over all data_parallel_size x tensor_parallel_size ranks (each MoE layer "
+        "gathers every rank's tokens; the cores step together, in turn, without speculation or capture); "
+        "off: each data-parallel core holds every expert",
+    )
     kernel_backend: str = setting(
         "auto",
         "the Triton kernels (window indexer, FP8 cache write and read, MHA-form prefill, W8A8 FP8 GEMM, "
@@ -153,7 +164,10 @@ class EngineArgs:
                 async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size, dist_timeout=self.dist_timeout
+                tensor_parallel_size=self.tensor_parallel_size,
+                dist_timeout=self.dist_timeout,
+                data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
             ),
             kernel_config=kernels,
             speculative_config=SpeculativeConfig.parse(self.speculative_config),

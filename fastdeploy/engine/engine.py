@@ -9,14 +9,15 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastdeploy.cache_manager.block_manager import BlockManager
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
-from fastdeploy.distributed.parallel import init_tensor_parallel
+from fastdeploy.distributed.parallel import Activity, init_parallel
 from fastdeploy.distributed.watchdog import RankWatchdog
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.engine.metrics import SpecDecodeStats
+from fastdeploy.engine.metrics import SpecDecodeStats, engine_stats
 from fastdeploy.input.grammar import GrammarEngine
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
 from fastdeploy.request import Request, RequestOutput, RequestStatus
@@ -56,6 +57,24 @@ def check_kv_capacity(num_blocks: dict[str, int], block_size: int, max_model_len
             )
 
 
+def exit_on_rank_failure(engine, why: str, kill: Callable[[], None]) -> None:
+    """A rank died or stopped answering: once per ``engine`` (its ``_failing`` lock and
+    ``_failed`` flag), log ``why``, ``kill`` the processes it started, tell its
+    ``fatal_listeners`` (the server gets EXIT_GRACE_S to answer waiting clients), then exit 1."""
+    with engine._failing:
+        if engine._failed:
+            return
+        engine._failed = True
+    logger.error("%s; stopping", why)
+    kill()
+    for listener in engine.fatal_listeners:
+        listener(RuntimeError(why))
+    if engine.fatal_listeners:
+        time.sleep(EXIT_GRACE_S)
+    logging.shutdown()
+    os._exit(1)
+
+
 @dataclass(frozen=True)
 class Launched:
     """A step handed to the device: how it was prepared, each request's drafts in it, the indices
@@ -74,87 +93,15 @@ class Launched:
         return runner.finish(self.running)
 
 
-class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        self.config = args.create_config()
-        mc = self.config.model_config
-        self.tokenizer = Tokenizer(mc.model_dir)
-        self.grammar = GrammarEngine(self.tokenizer, mc.vocab_size)
-        pc = self.config.parallel_config
-        worker_argv = ["--config", encode_config(self.config), "--driver-pid", str(os.getpid())]
-        self.tp = init_tensor_parallel(pc.tensor_parallel_size, worker_argv)
-        if not self.tp.is_driver:
-            raise ValueError("LLMEngine runs on rank 0 only; other ranks run fastdeploy.worker.tp_worker")
-        self.fatal_listeners: list = []  # callables(exception) when a rank fails
-        self._failing, self._failed = threading.Lock(), False
-        self.watchdog = None
-        try:
-            self.runner = GPUModelRunner(self.config, self.tp)
-        except BaseException:
-            self.shutdown()
-            raise
-        if pc.tensor_parallel_size > 1:
-            self.watchdog = RankWatchdog(
-                self.tp.workers,
-                lambda: self.runner.step_started,
-                pc.dist_timeout,
-                self._rank_failed,
-                beats=self.tp.beats,
-                driver_computed=self.tp.activity.computed,
-            )
-            atexit.register(self.shutdown)  # the workers end with this process
-        sc = self.config.scheduler_config
-        check_kv_capacity(self.runner.num_blocks, self.runner.block_size, sc.max_model_len, self.config)
-        self.block_manager = BlockManager(
-            self.runner.num_blocks,
-            self.runner.block_size,
-            self.config.cache_config.enable_prefix_caching,
-            mc.sliding_window,
-        )
-        k = self.config.speculative_config.k
-        self.scheduler = Scheduler(sc, self.block_manager, lookahead=max(0, k - 1))
-        self.spec = SpecDecodeStats(k)
-        self.requests: dict[str, Request] = {}
-        self.detok: dict[str, IncrementalDetokenizer] = {}
-        self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
-        self.num_generated_tokens = 0
-        self.step_listeners: list = []  # callables(request, now) for metrics
-        self.preempted_log: deque[Request] = deque(maxlen=256)  # the latest, for inspection
-        self.num_preemptions = 0
-        self.num_request_errors = 0
-        self.finish_listeners: list = []  # callables(request_id, reason) for aborted or failed requests
-        self.in_flight: Launched | None = None  # the step launched last, not yet taken (overlapped loop)
+class RequestMaker:
+    """Requests made from prompts, checked against the model: what the engine and the
+    data-parallel front (which holds no model) share. Needs ``config``, ``tokenizer``,
+    ``grammar`` and ``eos_token_ids``."""
 
-    def _rank_failed(self, why: str) -> None:
-        """Another rank died or stopped answering: report it, then exit (this rank may be blocked
-        in a collective for good). Listeners (the server) get a few seconds to answer and exit."""
-        with self._failing:
-            if self._failed:
-                return
-            self._failed = True
-        logger.error("%s; stopping", why)
-        self.tp.kill_workers()
-        for listener in self.fatal_listeners:
-            listener(RuntimeError(why))
-        if self.fatal_listeners:
-            time.sleep(EXIT_GRACE_S)
-        logging.shutdown()
-        os._exit(1)
-
-    def shutdown(self) -> None:
-        """Stop the other ranks (they return from their step loop) and reap their processes."""
-        if self.watchdog is not None:
-            self.watchdog.stop()
-        runner = getattr(self, "runner", None)
-        self.tp.reap_workers(runner.stop_workers if runner is not None else lambda: None)
-
-    def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, param: str = "prompt"
-    ) -> Request:
-        """Queue a prompt (text, or token ids). Raises ValueError naming what is wrong."""
-        req = self.make_request(prompt, params, request_id, param)
-        self.enqueue(req)
-        return req
+    config: FDConfig
+    tokenizer: Tokenizer
+    grammar: GrammarEngine
+    eos_token_ids: list[int]
 
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, param: str = "prompt"
@@ -198,6 +145,81 @@ class LLMEngine:
                     raise ValueError(f"{so.param}: {so.after!r} is not one token of this tokenizer")
         return req
 
+
+class LLMEngine(RequestMaker):
+    def __init__(self, args: EngineArgs | FDConfig, activity: Activity | None = None) -> None:
+        """``args``: the settings, or (a data-parallel engine core) the front's resolved config;
+        ``activity``: the one this process's liveness beats already report (a core's)."""
+        self.config = args if isinstance(args, FDConfig) else args.create_config()
+        mc = self.config.model_config
+        self.tokenizer = Tokenizer(mc.model_dir)
+        self.grammar = GrammarEngine(self.tokenizer, mc.vocab_size)
+        pc = self.config.parallel_config
+        worker_argv = ["--config", encode_config(self.config), "--driver-pid", str(os.getpid())]
+        self.parallel = init_parallel(pc, worker_argv, activity)
+        self.tp = self.parallel.tp
+        if not self.tp.is_driver:
+            raise ValueError("LLMEngine runs on rank 0 only; other ranks run fastdeploy.worker.tp_worker")
+        self.fatal_listeners: list = []  # callables(exception) when a rank fails
+        self._failing, self._failed = threading.Lock(), False
+        self.watchdog = None
+        try:
+            self.runner = GPUModelRunner(self.config, self.tp, self.parallel.ep)
+        except BaseException:
+            self.shutdown()
+            raise
+        if pc.tensor_parallel_size > 1:
+            self.watchdog = RankWatchdog(
+                self.tp.workers,
+                lambda: self.runner.step_started,
+                pc.dist_timeout,
+                self._rank_failed,
+                beats=self.tp.beats,
+                driver_computed=self.tp.activity.computed,
+            )
+            atexit.register(self.shutdown)  # the workers end with this process
+        sc = self.config.scheduler_config
+        check_kv_capacity(self.runner.num_blocks, self.runner.block_size, sc.max_model_len, self.config)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks,
+            self.runner.block_size,
+            self.config.cache_config.enable_prefix_caching,
+            mc.sliding_window,
+        )
+        k = self.config.speculative_config.k
+        self.scheduler = Scheduler(sc, self.block_manager, lookahead=max(0, k - 1))
+        self.spec = SpecDecodeStats(k)
+        self.requests: dict[str, Request] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
+        self.num_generated_tokens = 0
+        self.step_listeners: list = []  # callables(request, now) for metrics
+        self.preempted_log: deque[Request] = deque(maxlen=256)  # the latest, for inspection
+        self.num_preemptions = 0
+        self.num_request_errors = 0
+        self.finish_listeners: list = []  # callables(request_id, reason) for aborted or failed requests
+        self.in_flight: Launched | None = None  # the step launched last, not yet taken (overlapped loop)
+
+    def _rank_failed(self, why: str) -> None:
+        """Another rank died or stopped answering: report it, then exit (this rank may be blocked
+        in a collective for good)."""
+        exit_on_rank_failure(self, why, self.tp.kill_workers)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (they return from their step loop) and reap their processes."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        runner = getattr(self, "runner", None)
+        self.tp.reap_workers(runner.stop_workers if runner is not None else lambda: None)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, param: str = "prompt"
+    ) -> Request:
+        """Queue a prompt (text, or token ids). Raises ValueError naming what is wrong."""
+        req = self.make_request(prompt, params, request_id, param)
+        self.enqueue(req)
+        return req
+
     def enqueue(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
@@ -220,6 +242,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    def rank_stats(self) -> list[tuple[dict[str, str], dict]]:
+        """The counts /metrics shows (``metrics.engine_stats``), with no label: one engine."""
+        return [({}, engine_stats(self))]
 
     def step(self) -> list[RequestOutput]:
         """One step's outputs: those of the requests that produced a token. In order (sync), a
@@ -287,10 +313,14 @@ class LLMEngine:
         scheduled, prep = launched.prep.scheduled, launched.prep
         try:
             results, prompt = launched.finish(self.runner)
-        except Exception:  # noqa: BLE001 - pinned to requests below; the engine keeps serving
+        except Exception as e:  # noqa: BLE001 - pinned to requests below; the engine keeps serving
             dead = [r for r, p in enumerate(self.tp.workers, start=1) if p.poll() is not None]
             if dead:  # not the requests' fault: a rank is gone
                 self._rank_failed(f"tensor-parallel rank {dead[0]} exited during a step")
+            if self.config.parallel_config.lockstep:  # a retry is a forward the other cores would not run
+                logger.exception("engine step of %d requests failed; failing them", len(scheduled))
+                self._roll_back(launched)
+                return [self._fail(req, e) for req, _ in scheduled if not req.is_finished]
             logger.exception("engine step of %d requests failed; retrying them one by one", len(scheduled))
             if self.in_flight is not None:  # built on this step's tokens
                 behind, self.in_flight = self.in_flight, None

@@ -59,14 +59,61 @@ class SpecDecodeStats:
         self._logged = (now, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
 
-def _metric(name: str, doc: str, kind: str, value: float | dict[str, float], label: str = ""):
-    """One family: the value, or (a dict) a sample per ``label`` value and no sum beside them
-    (PromQL's sum() would count every part twice)."""
+def _metric(name: str, doc: str, kind: str, samples: list[tuple[dict[str, str], float]]) -> Metric:
+    """One family of (labels, value) samples; a family split by a label has no sum beside its
+    parts (PromQL's sum() would count every part twice)."""
     m = Metric(f"fastdeploy:{name}", doc, kind)
     sample = f"fastdeploy:{name}" + ("_total" if kind == "counter" else "")
-    for k, v in value.items() if isinstance(value, dict) else [(None, value)]:
-        m.add_sample(sample, {} if k is None else {label: k}, v)
+    for labels, v in samples:
+        m.add_sample(sample, labels, v)
     return m
+
+
+def engine_stats(engine) -> dict:
+    """The counts an engine and its block manager keep, read now (plain reads; a step may be
+    mid-way): plain numbers, or {label value: number} for ``BY_LABEL``'s keys."""
+    bm, spec = engine.block_manager, engine.spec
+    return {
+        "num_requests_running": len(engine.scheduler.running),
+        "num_requests_waiting": len(engine.scheduler.waiting),
+        "kv_cache_blocks_used": {g: p.num_used for g, p in bm.pools.items()},
+        "kv_cache_blocks_free": {g: p.num_free for g, p in bm.pools.items()},
+        "generation_tokens": engine.num_generated_tokens,
+        "prefix_cache_queries": bm.prefix_queries,
+        "prefix_cache_hits": bm.prefix_hits,
+        "prefix_cache_hit_blocks": dict(bm.prefix_hit_blocks),
+        "swa_blocks_released": bm.swa_blocks_released,
+        "spec_decode_num_drafts": spec.num_drafts,
+        "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+        "spec_decode_num_accepted_tokens_per_pos": {str(j): v for j, v in enumerate(spec.accepted_per_pos)},
+        "num_preemptions": engine.num_preemptions,
+        "engine_errors": engine.num_request_errors,
+    }
+
+
+# name: (kind, help, the label of a {label value: number} stat or None)
+ENGINE_FAMILIES = {
+    "num_requests_running": ("gauge", "Requests being computed.", None),
+    "num_requests_waiting": ("gauge", "Requests waiting to be scheduled.", None),
+    "kv_cache_blocks_used": ("gauge", "KV cache blocks in use.", "group"),
+    "kv_cache_blocks_free": ("gauge", "KV cache blocks free.", "group"),
+    "generation_tokens": ("counter", "Generated tokens.", None),
+    "prefix_cache_queries": ("counter", "Prompt tokens looked up in the prefix cache.", None),
+    "prefix_cache_hits": ("counter", "Prompt tokens served from the prefix cache.", None),
+    "prefix_cache_hit_blocks": ("counter", "KV blocks reused from the prefix cache.", "group"),
+    "swa_blocks_released": ("counter", "SWA blocks released out of their window.", None),
+    "spec_decode_num_drafts": ("counter", "Speculative verify steps (one per request).", None),
+    "spec_decode_num_draft_tokens": ("counter", "Draft tokens proposed.", None),
+    "spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted.", None),
+    "spec_decode_num_accepted_tokens_per_pos": (
+        "counter",
+        "Draft tokens accepted, by position in the draft.",
+        "position",
+    ),
+    "num_preemptions": ("counter", "Requests preempted (recomputed later).", None),
+    "engine_errors": ("counter", "Requests the engine failed on.", None),
+}
 
 
 class EngineMetrics:
@@ -112,57 +159,29 @@ class EngineMetrics:
             self.e2e.observe(latency)
 
     def collect(self) -> Iterator[Metric]:
-        """Counts kept by the engine, read at scrape time (plain reads; a step may be mid-way)."""
-        eng, bm = self.engine, self.engine.block_manager
-        used = {g: p.num_used for g, p in bm.pools.items()}
-        free = {g: p.num_free for g, p in bm.pools.items()}
-        yield _metric("num_requests_running", "Requests being computed.", "gauge", len(eng.scheduler.running))
-        yield _metric("num_requests_waiting", "Requests waiting to be scheduled.", "gauge", len(eng.scheduler.waiting))
-        yield _metric("kv_cache_blocks_used", "KV cache blocks in use.", "gauge", used, "group")
-        yield _metric("kv_cache_blocks_free", "KV cache blocks free.", "gauge", free, "group")
-        yield _metric("generation_tokens", "Generated tokens.", "counter", eng.num_generated_tokens)
+        """Counts kept by the engine (each data-parallel core's, labelled ``dp_rank``), read at
+        scrape time, then the finished requests and prompt tokens counted here."""
+        ranks = self.engine.rank_stats()
+        spec = self.engine.config.speculative_config.k
+        for name, (kind, doc, label) in ENGINE_FAMILIES.items():
+            if name.startswith("spec_decode") and not spec:
+                continue
+            samples = []
+            for labels, stats in ranks:
+                v = stats[name]
+                parts = v.items() if label else [(None, v)]
+                samples += [({**labels, label: k} if label else labels, x) for k, x in parts]
+            yield _metric(name, doc, kind, samples)
         with self.lock:
             prompt_tokens, finished = self.prompt_tokens, dict(self.finished)
-        yield _metric("prompt_tokens", "Prompt tokens of requests that produced a token.", "counter", prompt_tokens)
         yield _metric(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "counter", bm.prefix_queries
+            "prompt_tokens", "Prompt tokens of requests that produced a token.", "counter", [({}, prompt_tokens)]
         )
-        yield _metric("prefix_cache_hits", "Prompt tokens served from the prefix cache.", "counter", bm.prefix_hits)
-        hit_blocks = bm.prefix_hit_blocks
-        yield _metric(
-            "prefix_cache_hit_blocks",
-            "KV blocks reused from the prefix cache.",
-            "counter",
-            hit_blocks,
-            "group",
-        )
-        yield _metric(
-            "swa_blocks_released", "SWA blocks released out of their window.", "counter", bm.swa_blocks_released
-        )
-        spec = eng.spec
-        if spec.k:
-            yield _metric(
-                "spec_decode_num_drafts", "Speculative verify steps (one per request).", "counter", spec.num_drafts
-            )
-            yield _metric("spec_decode_num_draft_tokens", "Draft tokens proposed.", "counter", spec.num_draft_tokens)
-            yield _metric(
-                "spec_decode_num_accepted_tokens", "Draft tokens accepted.", "counter", spec.num_accepted_tokens
-            )
-            yield _metric(
-                "spec_decode_num_accepted_tokens_per_pos",
-                "Draft tokens accepted, by position in the draft.",
-                "counter",
-                {str(j): v for j, v in enumerate(spec.accepted_per_pos)},
-                "position",
-            )
-        yield _metric("num_preemptions", "Requests preempted (recomputed later).", "counter", eng.num_preemptions)
-        yield _metric("engine_errors", "Requests the engine failed on.", "counter", eng.num_request_errors)
         yield _metric(
             "request_success",
             "Finished requests by reason.",
             "counter",
-            finished,
-            "finished_reason",
+            [({"finished_reason": k}, v) for k, v in finished.items()],
         )
 
     def render(self) -> bytes:

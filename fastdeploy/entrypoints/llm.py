@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.engine.dp_engine import create_engine
 from fastdeploy.request import RequestOutput
 from fastdeploy.sampling_params import SamplingParams
 
@@ -15,7 +15,7 @@ class LLM:
     settings (EngineArgs fields) as keyword arguments."""
 
     def __init__(self, model: str = "tiny-mla-swa", **kwargs) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.engine = create_engine(EngineArgs(model=model, **kwargs))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

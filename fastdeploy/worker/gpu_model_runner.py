@@ -66,13 +66,14 @@ class RunningStep:
 
 class GPUModelRunner:
     """One rank's model and KV caches. The driver (rank 0) schedules and samples; under tensor
-    parallelism it broadcasts each step's host arrays and every rank runs the same step."""
+    parallelism it broadcasts each step's host arrays and every rank runs the same step. ``ep``:
+    the expert-parallel group (docs/design.md §4.19; None: experts split over ``tp``)."""
 
-    def __init__(self, fd_config: FDConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, fd_config: FDConfig, tp: TPGroup | None = None, ep: TPGroup | None = None) -> None:
         self.fd = fd_config
         self.tp = tp or TPGroup()
         mc = fd_config.model_config
-        self.model = DeepseekV3ForCausalLM(fd_config, self.tp)
+        self.model = DeepseekV3ForCausalLM(fd_config, self.tp, ep)
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, mc.num_hidden_layers, self.tp.is_driver)
         self.spec: MTPProposer | None = None  # the draft model (docs/design.md §4.16)
@@ -206,10 +207,10 @@ class GPUModelRunner:
         tokens on the device; nothing here waits for the device, except prompt logprobs (copied
         back at once). A failure of the model step itself raises."""
         self.launched_at.append(time.monotonic())  # the watchdog times the input broadcast too
-        if not prep.scheduled:
+        if not prep.scheduled and not self.fd.parallel_config.lockstep:
             return RunningStep(prep, None, None, None, [])
         try:
-            step = self.tp.broadcast_object(prep.step)
+            step = self.tp.broadcast_object(prep.step if prep.scheduled else self.dummy_step())
             filled = None
             if step.placeholders:
                 tokens, row_of = self.drawn if self.drawn is not None else (paddle.zeros([0], "int64"), {})
@@ -266,6 +267,12 @@ class GPUModelRunner:
         finally:
             if self.launched_at:
                 self.launched_at.popleft()
+
+    def dummy_step(self) -> StepInputs:
+        """A step of one padding row (a decode at position 0 over the null blocks; it samples
+        nothing): what a data-parallel core with nothing scheduled runs so that every core's MoE
+        layers gather together (docs/design.md §4.19)."""
+        return build_step_inputs([], self.null_block, lambda n: 1)
 
     @property
     def step_started(self) -> float | None:

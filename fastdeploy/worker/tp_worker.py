@@ -19,7 +19,7 @@ import threading
 import time
 
 from fastdeploy.config import FDConfig
-from fastdeploy.distributed.parallel import BEAT_S, Activity, init_tensor_parallel, start_beating
+from fastdeploy.distributed.parallel import BEAT_S, Activity, init_parallel, start_beating
 from fastdeploy.worker.gpu_model_runner import GPUModelRunner
 
 logger = logging.getLogger("fastdeploy")
@@ -34,7 +34,7 @@ def decode_config(word: str) -> FDConfig:
     return pickle.loads(base64.b64decode(word))
 
 
-def _exit_with_driver(pid: int) -> None:
+def exit_with_driver(pid: int) -> None:
     """A worker blocked in a collective cannot notice its driver died; this thread can."""
     while True:
         time.sleep(0.5)
@@ -47,11 +47,12 @@ def _exit_with_driver(pid: int) -> None:
 def run_worker(fd: FDConfig, driver_pid: int | None = None) -> None:
     """Serve the driver's steps with the driver's config ``fd``."""
     if driver_pid:
-        threading.Thread(target=_exit_with_driver, args=(driver_pid,), daemon=True).start()
+        threading.Thread(target=exit_with_driver, args=(driver_pid,), daemon=True).start()
     activity = Activity()
     start_beating(activity, min(BEAT_S, fd.parallel_config.dist_timeout / 4))
-    tp = init_tensor_parallel(fd.parallel_config.tensor_parallel_size, activity=activity)
-    runner = GPUModelRunner(fd, tp)
+    groups = init_parallel(fd.parallel_config, activity=activity)
+    tp = groups.tp
+    runner = GPUModelRunner(fd, tp, groups.ep)
     logger.info("tensor-parallel rank %d of %d ready", tp.rank, tp.world_size)
     runner.serve_steps()
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from ref import moe_route_ref
 
-from fastdeploy.distributed.parallel import _free_port, rank_env
+from fastdeploy.distributed.parallel import free_port, rank_env
 
 RANK = """
 import json, sys
@@ -85,8 +85,8 @@ def test_three_ranks_of_experts_give_each_rank_its_tokens_moe(tmp_path, rng):
     arg = json.dumps(
         {"cfg": CFG, "weights": str(tmp_path / "w.npz"), "x": str(tmp_path / "x.npz"), "out": str(tmp_path / "out")}
     )
-    endpoints = [f"127.0.0.1:{_free_port()}" for _ in counts]
-    master = f"127.0.0.1:{_free_port()}"
+    endpoints = [f"127.0.0.1:{free_port()}" for _ in counts]
+    master = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RANK, arg],

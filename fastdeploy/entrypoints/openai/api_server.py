@@ -35,7 +35,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastdeploy.distributed.parallel import LAUNCH_ENV
 from fastdeploy.engine.args import EngineArgs, add_dataclass_args, setting
 from fastdeploy.engine.async_engine import AsyncLLMEngine
-from fastdeploy.engine.engine import EXIT_GRACE_S, LLMEngine
+from fastdeploy.engine.dp_engine import create_engine
+from fastdeploy.engine.engine import EXIT_GRACE_S
 from fastdeploy.entrypoints.openai.guard import Guard
 from fastdeploy.entrypoints.openai.http_protocol import header_timeout_protocol
 from fastdeploy.entrypoints.openai.protocol import (
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         args = EngineArgs.from_cli_args(ns)  # a rank under paddle.distributed.launch: no HTTP
         return run_worker(args.create_config(), args.dtype)
     try:
-        engine = LLMEngine(EngineArgs.from_cli_args(ns))
+        engine = create_engine(EngineArgs.from_cli_args(ns))
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
     name = ns.served_model_name or ns.model

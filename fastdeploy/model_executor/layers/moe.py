@@ -108,8 +108,9 @@ STACKED = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 class DeepseekV3MoE(nn.Layer):
-    """``dispatch``: expert parallel over its group (``tp`` must then be a single rank: tensor
-    parallelism inside a data-parallel group is not built yet)."""
+    """``dispatch``: expert parallel over its group, the routed experts split over it; ``tp``
+    then splits only the shared expert (its ranks hold the same tokens: each dispatches its
+    share of the rows, and the rows come back by an all-gather)."""
 
     def __init__(
         self,
@@ -121,8 +122,6 @@ class DeepseekV3MoE(nn.Layer):
         dispatch: AllGatherDispatch | None = None,
     ) -> None:
         super().__init__()
-        if dispatch is not None and tp.world_size > 1:
-            raise ValueError("expert parallelism with tensor parallelism inside a data-parallel group is not supported")
         self.tp, self.dispatch = tp, dispatch
         self.gate = MoEGate(cfg, dtype, triton)
         experts = dispatch.group if dispatch is not None else tp
@@ -162,11 +161,29 @@ class DeepseekV3MoE(nn.Layer):
         ids, w = self.gate(x)
         scales = [getattr(self, n + "_scale_inv") for n in ("w1", "w3", "w2")] if self.fp8 else []
         lo, weights = self.expert_range[0], (self.w1, self.w3, self.w2, *scales)
-        if self.dispatch is None:
+        shared = self.shared_experts(x).astype("float32") if self.shared_experts is not None else None
+        if self.dispatch is None:  # this rank's experts' part of every token: summed over TP
             out = self.routed(x, ids - lo, w, *weights)
-        else:  # every rank's tokens through the local experts, the sums back to their rank
-            d = self.dispatch.prepare(x, ids, w)
-            out = self.dispatch.finalize(self.routed(d.x, d.ids - lo, d.w, *weights), d)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x).astype("float32")
-        return self.tp.all_reduce(out).astype(x.dtype)
+            return self.tp.all_reduce(out if shared is None else out + shared).astype(x.dtype)
+        out = self.expert_parallel(x, ids, w, weights)  # whole sums of this rank's tokens
+        if shared is not None:
+            out = out + self.tp.all_reduce(shared)
+        return out.astype(x.dtype)
+
+    def expert_parallel(self, x: paddle.Tensor, ids: paddle.Tensor, w: paddle.Tensor, weights: tuple) -> paddle.Tensor:
+        """Every rank's tokens through the local experts, the sums back to their rank: float32
+        [T, H]. Under TP, rank t of the group dispatches rows [t * c, (t + 1) * c) (c = ceil(T /
+        TP)) and the group all-gathers the results."""
+        lo, tp, T = self.expert_range[0], self.tp, x.shape[0]
+        if tp.world_size > 1:
+            c = -(-T // tp.world_size)
+            a, b = min(tp.rank * c, T), min((tp.rank + 1) * c, T)
+            x, ids, w = x[a:b], ids[a:b], w[a:b]
+        d = self.dispatch.prepare(x, ids, w)
+        out = self.dispatch.finalize(self.routed(d.x, d.ids - lo, d.w, *weights), d)
+        if tp.world_size == 1:
+            return out
+        pad = c - out.shape[0]
+        if pad:
+            out = paddle.concat([out, paddle.zeros([pad, out.shape[1]], out.dtype)])
+        return tp.all_gather_rows(out)[:T]

@@ -36,6 +36,7 @@ from fastdeploy.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from fastdeploy.model_executor.layers.moe import MLP, DeepseekV3MoE
+from fastdeploy.model_executor.layers.moe_dispatch import AllGatherDispatch
 from fastdeploy.model_executor.layers.normalization import RMSNorm
 from fastdeploy.model_executor.layers.rotary_embedding import DeepseekRotaryEmbedding, deepseek_softmax_scale
 from fastdeploy.model_executor.ops.triton_ops.swa_indexer import get_swa_indexer_top_k
@@ -189,7 +190,14 @@ class DeepseekV3MLAAttention(nn.Layer):
 
 class DeepseekV3DecoderLayer(nn.Layer):
     def __init__(
-        self, cfg: ModelConfig, layer_id: int, dtype: str, kernels: KernelConfig, tp: TPGroup, kv_cache_dtype: str
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        dtype: str,
+        kernels: KernelConfig,
+        tp: TPGroup,
+        kv_cache_dtype: str,
+        ep: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.triton)
@@ -198,7 +206,8 @@ class DeepseekV3DecoderLayer(nn.Layer):
         moe = cfg.n_routed_experts and layer_id >= cfg.first_k_dense_replace and layer_id % cfg.moe_layer_freq == 0
         fp8 = fp8_linears(cfg, kernels)
         if moe:
-            self.mlp = DeepseekV3MoE(cfg, tp, dtype, fp8, kernels.triton)
+            dispatch = AllGatherDispatch(ep) if ep is not None else None
+            self.mlp = DeepseekV3MoE(cfg, tp, dtype, fp8, kernels.triton, dispatch)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype, fp8=fp8)
 
@@ -208,11 +217,22 @@ class DeepseekV3DecoderLayer(nn.Layer):
 
 
 class DeepseekV3Model(nn.Layer):
-    def __init__(self, cfg: ModelConfig, dtype: str, kernels: KernelConfig, tp: TPGroup, kv_cache_dtype: str) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: str,
+        kernels: KernelConfig,
+        tp: TPGroup,
+        kv_cache_dtype: str,
+        ep: TPGroup | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.layers = nn.LayerList(
-            [DeepseekV3DecoderLayer(cfg, i, dtype, kernels, tp, kv_cache_dtype) for i in range(cfg.num_hidden_layers)]
+            [
+                DeepseekV3DecoderLayer(cfg, i, dtype, kernels, tp, kv_cache_dtype, ep)
+                for i in range(cfg.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels.triton)
 
@@ -228,15 +248,15 @@ class DeepseekV3ForCausalLM(nn.Layer):
     one ``fd_config``: its model config (with the model's ``dtype``), its kernel config (chosen
     once at start-up: which implementations the attention backends run) and its cache config
     (the full layers' ``kv_cache_dtype``); ``tp`` is this rank's tensor-parallel group (one rank
-    by default)."""
+    by default), ``ep`` its expert-parallel group (None: the routed experts split over ``tp``)."""
 
-    def __init__(self, fd_config: FDConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, fd_config: FDConfig, tp: TPGroup | None = None, ep: TPGroup | None = None) -> None:
         super().__init__()
         tp = tp or TPGroup()
         cfg = fd_config.model_config
         self.config, self.tp = cfg, tp
         kv_cache_dtype = fd_config.cache_config.kv_cache_dtype
-        self.model = DeepseekV3Model(cfg, cfg.dtype, fd_config.kernel_config, tp, kv_cache_dtype)
+        self.model = DeepseekV3Model(cfg, cfg.dtype, fd_config.kernel_config, tp, kv_cache_dtype, ep)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, cfg.dtype)
 
     def checkpoint_row_order(self, name: str, rows: int) -> np.ndarray | None:

@@ -1,0 +1,120 @@
+"""A data-parallel engine core: one LLMEngine (its scheduler, KV pools and prefix cache, its TP
+group) serving the requests the front routes to it (docs/design.md §4.19).
+
+    python -m fastdeploy.engine.dp_core --config CONFIG --conn FD --front-pid PID
+
+Started by the front (``DPEngine``) with a socket to it (``--conn``: a descriptor it inherits)
+and, under expert parallelism, paddle.distributed's environment of global rank R x TP. Messages,
+pickled through ``multiprocessing.connection``: the front sends ("add", CoreRequest),
+("abort", request id) and ("stop",); the core sends ("ready", stats) once, then after each
+step ("out", outputs, first scheduled times, stats) and ("failed", request id, message) for a
+request it could not take.
+
+With expert parallelism the cores step together: each loop turn every core's driver adds up
+(has work, stop) over the data-parallel group; when any core has work every core steps once,
+a core with nothing scheduled through a dummy step, so each MoE layer's gather finds every
+core (vLLM's dummy batch). Each step then runs exactly one forward: the engine steps in turn
+(``async_scheduling`` off), without speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from fastdeploy.config import FDConfig
+from fastdeploy.distributed.parallel import BEAT_S, Activity, start_beating
+from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.engine.metrics import engine_stats
+from fastdeploy.sampling_params import SamplingParams
+from fastdeploy.worker.tp_worker import decode_config, exit_with_driver
+
+logger = logging.getLogger("fastdeploy")
+
+IDLE_POLL_S = 0.005  # an idle core's wait for a message before its next lockstep turn
+
+
+@dataclass(frozen=True)
+class CoreRequest:
+    """What the front sends of a request it made and checked: the core makes it again (its own
+    grammar matcher) under the same id."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    arrival_time: float
+    group: str | None
+    prefill_after: str | None  # the id of an earlier sample of the same prompt on this core
+
+
+def take(engine: LLMEngine, cr: CoreRequest) -> None:
+    """Queue a routed request (ValueError if the engine refuses it)."""
+    req = engine.make_request(cr.prompt_token_ids, cr.params, cr.request_id)
+    req.prompt, req.arrival_time, req.group = cr.prompt, cr.arrival_time, cr.group
+    if cr.prefill_after is not None:
+        req.prefill_after = engine.requests.get(cr.prefill_after)
+    engine.enqueue(req)
+
+
+def serve(engine: LLMEngine, conn: Connection) -> None:
+    """The core's loop until the front (or, in lockstep, any core's front message) says stop."""
+    dp = engine.parallel.dp
+    scheduled_at: dict[str, float | None] = {}  # of each request that got tokens this step
+    engine.step_listeners.append(lambda req, now: scheduled_at.__setitem__(req.request_id, req.first_scheduled_time))
+    conn.send(("ready", engine_stats(engine)))
+    stop = False
+    while True:
+        wait = 0 if engine.has_unfinished_requests() else IDLE_POLL_S
+        while not stop and conn.poll(wait):
+            msg, wait = conn.recv(), 0
+            if msg[0] == "add":
+                try:
+                    take(engine, msg[1])
+                except ValueError as e:
+                    conn.send(("failed", msg[1].request_id, str(e)))
+            elif msg[0] == "abort":
+                engine.abort_request(msg[1])
+            else:
+                stop = True
+        busy = engine.has_unfinished_requests()
+        if dp is not None:  # every core's turn together
+            busy, stop = dp.all_reduce_host([int(busy), int(stop)])
+        if stop:
+            return
+        if not busy:
+            continue
+        outs = engine.step()  # with nothing of this core's own: a dummy step
+        times = [scheduled_at.pop(o.request_id, None) for o in outs]
+        conn.send(("out", outs, times, engine_stats(engine)))
+
+
+def run_core(fd: FDConfig, conn: Connection, front_pid: int | None) -> None:
+    if front_pid:
+        threading.Thread(target=exit_with_driver, args=(front_pid,), daemon=True).start()
+    activity = Activity()
+    start_beating(activity, min(BEAT_S, fd.parallel_config.dist_timeout / 4))
+    engine = LLMEngine(fd, activity)
+    try:
+        serve(engine, conn)
+        if engine.tp.world_size > 1 and not engine.tp.workers:  # its TP ranks, started by the front
+            engine.runner.stop_workers()
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fastdeploy.engine.dp_core")
+    ap.add_argument("--config", required=True, help="the front's config (tp_worker.encode_config)")
+    ap.add_argument("--conn", type=int, required=True, help="the descriptor of the socket to the front")
+    ap.add_argument("--front-pid", type=int, default=None)
+    ns = ap.parse_args(argv)
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_core(decode_config(ns.config), Connection(ns.conn), ns.front_pid)
+
+
+if __name__ == "__main__":
+    main()

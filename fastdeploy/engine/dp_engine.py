@@ -1,0 +1,254 @@
+"""The data-parallel front: one engine interface over D engine-core processes (docs/design.md
+§4.19; vLLM's DP coordinator and SGLang's DP controller, in small).
+
+``DPEngine`` makes and checks requests as ``LLMEngine`` does (it holds the tokenizer, no model),
+routes each to a core (``Router``: longest routed prefix, then least loaded; the samples of one
+prompt to one core), forwards aborts, and turns the cores' messages into the outputs, metrics
+and listener calls an LLMEngine gives, so ``LLM`` and the API server run on either. It starts
+the processes itself: D cores (``dp_core``), and under expert parallelism one paddle world of
+D x TP ranks (core r is global rank r x TP; the other ranks of its TP group are
+``tp_worker`` processes). Every process beats into a pipe the front's ``RankWatchdog`` reads; a
+process that exits, stops beating or hangs with every rank waiting takes the TP failure path:
+clients told, every process killed, exit 1 (``exit_on_rank_failure``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+
+from fastdeploy.distributed.parallel import BEAT_ENV, free_port, rank_env
+from fastdeploy.distributed.watchdog import RankWatchdog
+from fastdeploy.engine.args import EngineArgs
+from fastdeploy.engine.dp_core import CoreRequest
+from fastdeploy.engine.dp_router import Router
+from fastdeploy.engine.engine import LLMEngine, RequestMaker, exit_on_rank_failure
+from fastdeploy.input.grammar import GrammarEngine
+from fastdeploy.input.tokenizer import Tokenizer
+from fastdeploy.request import Request, RequestOutput, RequestStatus
+from fastdeploy.worker.tp_worker import encode_config
+
+logger = logging.getLogger("fastdeploy")
+
+STEP_WAIT_S = 0.05  # the longest ``step`` waits for a core's message
+
+
+def create_engine(args: EngineArgs) -> LLMEngine | DPEngine:
+    """The engine ``args`` ask for: one core, or a front over data_parallel_size of them."""
+    return DPEngine(args) if args.data_parallel_size > 1 else LLMEngine(args)
+
+
+class DPEngine(RequestMaker):
+    def __init__(self, args: EngineArgs) -> None:
+        self.config = args.create_config()
+        mc, sc, pc = self.config.model_config, self.config.scheduler_config, self.config.parallel_config
+        self.tokenizer = Tokenizer(mc.model_dir)
+        self.grammar = GrammarEngine(self.tokenizer, mc.vocab_size)
+        self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
+        self.fatal_listeners: list = []  # callables(exception) when a core fails
+        self.step_listeners: list = []  # callables(request, now) for each request's new tokens
+        self.finish_listeners: list = []  # callables(request_id, reason) for aborted or failed requests
+        self._failing, self._failed = threading.Lock(), False
+        self.requests: dict[str, Request] = {}  # this front's copy of each unfinished request
+        self.rank_of: dict[str, int] = {}
+        self.router = Router(pc.data_parallel_size, self.config.cache_config.block_size, sc.max_num_seqs)
+        self.core_stats: list[dict] = [{} for _ in range(pc.data_parallel_size)]
+        self.waiting_since: float | None = None  # the last core message while requests are out
+        self.watchdog = None
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        try:
+            beats, names = self._spawn()
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.watchdog = RankWatchdog(
+            self.procs, self._step_started, pc.dist_timeout, self._rank_failed, beats=beats, names=names
+        )
+        atexit.register(self.shutdown)
+
+    def _spawn(self) -> tuple[list[int], list[str]]:
+        """Start every process; returns the read ends of their beat pipes and their names."""
+        pc = self.config.parallel_config
+        T = pc.tensor_parallel_size
+        world = pc.data_parallel_size * (T if pc.lockstep else 1)
+        step = T if pc.lockstep else 1  # global ranks a core apart
+        word, pid = encode_config(self.config), str(os.getpid())
+        endpoints = [f"127.0.0.1:{free_port()}" for _ in range(world)]
+        master = f"127.0.0.1:{free_port()}"
+        launch_keys = set(rank_env(0, 1, ["-"], "-"))
+        beats, names = [], []
+        for g in range(world):
+            rd, wr = os.pipe()
+            os.set_blocking(rd, False)
+            env = {k: v for k, v in os.environ.items() if k not in launch_keys}  # an outer launcher's
+            env[BEAT_ENV] = str(wr)
+            if pc.lockstep:
+                env.update(rank_env(g, world, endpoints, master))
+            fds = [wr]
+            if g % step == 0:
+                front, core = socket.socketpair()
+                argv = ["fastdeploy.engine.dp_core", "--conn", str(core.fileno()), "--front-pid", pid]
+                fds.append(core.fileno())
+                names.append(f"data-parallel engine core {g // step}")
+            else:
+                argv = ["fastdeploy.worker.tp_worker", "--driver-pid", pid]
+                names.append(f"rank {g % step} of data-parallel engine core {g // step}")
+            self.procs.append(subprocess.Popen([sys.executable, "-m", *argv, "--config", word], env=env, pass_fds=fds))
+            os.close(wr)
+            beats.append(rd)
+            if g % step == 0:
+                core.close()
+                self.conns.append(Connection(front.detach()))
+        return beats, names
+
+    def _wait_ready(self) -> None:
+        """Each core's "ready" (its stats); RuntimeError naming a process that exits first."""
+        waiting = set(range(len(self.conns)))
+        while waiting:
+            for conn in wait([self.conns[r] for r in waiting], timeout=0.2):
+                r = self.conns.index(conn)
+                try:
+                    kind, stats = conn.recv()
+                except EOFError:
+                    continue  # its exit is named below
+                assert kind == "ready", kind
+                self.core_stats[r] = stats
+                waiting.discard(r)
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(
+                        f"a data-parallel process (pid {p.pid}) exited with status {p.returncode} while starting"
+                    )
+
+    def _step_started(self) -> float | None:
+        return self.waiting_since if self.requests else None
+
+    def _rank_failed(self, why: str) -> None:
+        exit_on_rank_failure(self, why, self._kill)
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+    def _send(self, rank: int, msg: tuple) -> None:
+        try:
+            self.conns[rank].send(msg)
+        except OSError:
+            self._rank_failed(f"data-parallel engine core {rank} closed its connection")
+
+    def enqueue(self, req: Request) -> None:
+        """Route a request made by ``make_request`` to a core (a sample of a prompt already sent
+        goes where the prompt went)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        first = req.prefill_after.request_id if req.prefill_after is not None else None
+        rank = self.rank_of[first] if first in self.rank_of else self.router.choose(req.prompt_token_ids)
+        if not self.requests:
+            self.waiting_since = time.monotonic()
+        self.requests[req.request_id], self.rank_of[req.request_id] = req, rank
+        self.router.sent(rank, req.prompt_token_ids)
+        cr = CoreRequest(
+            req.request_id, req.prompt_token_ids, req.sampling_params, req.prompt, req.arrival_time, req.group, first
+        )
+        self._send(rank, ("add", cr))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a live request on its core; whether there was one to abort."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        rank = self._end(req, "abort")
+        self._send(rank, ("abort", request_id))
+        for listener in self.finish_listeners:
+            listener(request_id, "abort")
+        return True
+
+    def _end(self, req: Request, reason: str) -> int:
+        """Forget a finished request; its core."""
+        req.finish_reason, req.status = req.finish_reason or reason, RequestStatus.FINISHED
+        self.requests.pop(req.request_id)
+        rank = self.rank_of.pop(req.request_id)
+        self.router.finished(rank, req.prompt_token_ids + req.output_token_ids)
+        return rank
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs the cores sent since the last call (waits up to STEP_WAIT_S for one)."""
+        outputs: list[RequestOutput] = []
+        for conn in wait(self.conns, timeout=STEP_WAIT_S):
+            rank = self.conns.index(conn)
+            try:
+                while conn.poll():
+                    outputs += self._received(rank, conn.recv())
+            except (EOFError, OSError):
+                self._rank_failed(f"data-parallel engine core {rank} closed its connection")
+        return outputs
+
+    def _received(self, rank: int, msg: tuple) -> list[RequestOutput]:
+        now = time.monotonic()
+        self.waiting_since = now
+        if msg[0] == "failed":  # the core refused a request the front had checked
+            _, rid, why = msg
+            req = self.requests.get(rid)
+            if req is None:
+                return []
+            req.error = why
+            self._end(req, "error")
+            for listener in self.finish_listeners:
+                listener(rid, "error")
+            return [req.to_output()]
+        _, outs, times, self.core_stats[rank] = msg
+        taken = []
+        for out, scheduled in zip(outs, times, strict=True):
+            req = self.requests.get(out.request_id)
+            if req is None:  # aborted here since
+                continue
+            comp = out.outputs[0]
+            req.output_token_ids, req.output_text = comp.token_ids, comp.text
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = scheduled
+            if out.finished:
+                req.finish_reason, req.error = comp.finish_reason, out.error
+                self._end(req, comp.finish_reason or "stop")
+            if out.error is None:
+                for listener in self.step_listeners:
+                    listener(req, now)
+            else:
+                for listener in self.finish_listeners:
+                    listener(out.request_id, "error")
+            taken.append(out)
+        return taken
+
+    def rank_stats(self) -> list[tuple[dict[str, str], dict]]:
+        """Each core's counts as of its latest step, labelled ``dp_rank``."""
+        return [({"dp_rank": str(r)}, s) for r, s in enumerate(self.core_stats)]
+
+    def shutdown(self) -> None:
+        """Tell the cores to stop, give each process 10 s to exit, kill what is left."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        for rank in range(len(self.conns)):
+            try:
+                self.conns[rank].send(("stop",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
