@@ -125,6 +125,8 @@ def test_unknown_keys_ignored_and_eos_list(tmp_path):
         (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs"),
         (ParallelConfig, {"tensor_parallel_size": 0}, "tensor_parallel_size"),
         (ParallelConfig, {"dist_timeout": 0}, "dist_timeout"),
+        (ParallelConfig, {"data_parallel_size": 0}, "data_parallel_size"),
+        (ParallelConfig, {"data_parallel_size": 1.5}, "data_parallel_size"),
     ],
 )
 def test_engine_config_errors(ctor, kw, word):
@@ -141,6 +143,28 @@ def test_fdconfig(tiny_model_dir):
         FDConfig(mc, scheduler_config=SchedulerConfig(max_model_len=10**6))
     with pytest.raises(ValueError, match="chunked prefill"):
         FDConfig(mc, scheduler_config=SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False))
+
+
+def test_expert_parallel_settings_are_checked(tiny_model_dir, mtp_model_dir):
+    """Experts must divide over D x TP; cores in lockstep run neither speculation nor capture
+    (each names the setting), and step in turn."""
+    from fastdeploy.config import SpeculativeConfig
+
+    mc = ModelConfig.from_pretrained(tiny_model_dir)  # 8 routed experts
+    ep = lambda d, tp=1: ParallelConfig(tp, data_parallel_size=d, enable_expert_parallel=True)  # noqa: E731
+    with pytest.raises(ValueError, match="n_routed_experts.*3 expert-parallel ranks"):
+        FDConfig(mc, parallel_config=ep(3))
+    assert FDConfig(mc, parallel_config=ParallelConfig(data_parallel_size=3)).parallel_config.expert_parallel_size == 1
+    with pytest.raises(ValueError, match="cuda_graph_capture"):
+        FDConfig(mc, scheduler_config=SchedulerConfig(cuda_graph_capture=True), parallel_config=ep(2))
+    with pytest.raises(ValueError, match="speculative_config"):
+        FDConfig(
+            ModelConfig.from_pretrained(mtp_model_dir),
+            parallel_config=ep(2),
+            speculative_config=SpeculativeConfig("mtp", 1),
+        )
+    fd = FDConfig(mc, parallel_config=ep(2, 2))
+    assert fd.parallel_config.expert_parallel_size == 4 and not fd.scheduler_config.async_scheduling
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,8 @@ class RankWatchdog:
         names: list[str] | None = None,
     ) -> None:
         self.workers, self.step_started, self.timeout = workers, step_started, timeout
-        self.names = names or [f"tensor-parallel rank {r}" for r in range(1, len(workers) + 1)]
+        n = max(len(workers), len(beats or []))
+        self.names = names or [f"tensor-parallel rank {r}" for r in range(1, n + 1)]
         self.on_failure, self.interval = on_failure, interval
         self.driver_computed = driver_computed or (lambda: False)
         self.beats = list(beats or [])
