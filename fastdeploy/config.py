@@ -518,6 +518,7 @@ class ParallelConfig:
     dist_timeout: float = 60.0
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    data_parallel_rpc_port: int | None = None  # under a launcher: where the front listens for the cores
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):

@@ -217,6 +217,7 @@ def rank_env(rank: int, world_size: int, endpoints: list[str], master: str) -> d
         "PADDLE_RANK_IN_NODE": str(rank),
         "PADDLE_NNODES": "1",
         "PADDLE_DISTRI_BACKEND": "nccl" if paddle.is_compiled_with_cuda() else "gloo",
+        "FLAGS_selected_gpus": str(rank),  # the launcher's: this rank's GPU (of those visible)
     }
 
 

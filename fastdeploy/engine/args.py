@@ -75,6 +75,11 @@ class EngineArgs:
         "gathers every rank's tokens; the cores step together, in turn, without speculation or capture); "
         "off: each data-parallel core holds every expert",
     )
+    data_parallel_rpc_port: int | None = setting(
+        None,
+        "under paddle.distributed.launch: the port on rank 0's host where the front listens for the other "
+        "data-parallel cores; None: the launcher's master port + 1",
+    )
     kernel_backend: str = setting(
         "auto",
         "the Triton kernels (window indexer, FP8 cache write and read, MHA-form prefill, W8A8 FP8 GEMM, "
@@ -168,6 +173,7 @@ class EngineArgs:
                 dist_timeout=self.dist_timeout,
                 data_parallel_size=self.data_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
             ),
             kernel_config=kernels,
             speculative_config=SpeculativeConfig.parse(self.speculative_config),

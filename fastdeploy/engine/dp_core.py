@@ -4,11 +4,13 @@ group) serving the requests the front routes to it (docs/design.md §4.19).
     python -m fastdeploy.engine.dp_core --config CONFIG --conn FD --front-pid PID
 
 Started by the front (``DPEngine``) with a socket to it (``--conn``: a descriptor it inherits)
-and, under expert parallelism, paddle.distributed's environment of global rank R x TP. Messages,
+and, under expert parallelism, paddle.distributed's environment of global rank R x TP; or, under
+paddle.distributed.launch, by the API server on a core's rank (``run_launched_core``), which
+connects to the front over TCP (``front_address``, authenticated by ``authkey``). Messages,
 pickled through ``multiprocessing.connection``: the front sends ("add", CoreRequest),
-("abort", request id) and ("stop",); the core sends ("ready", stats) once, then after each
-step ("out", outputs, first scheduled times, stats) and ("failed", request id, message) for a
-request it could not take.
+("abort", request id) and ("stop",); the core sends ("hello", its data-parallel rank) and
+("ready", stats) once, then after each step ("out", outputs, first scheduled times, stats) and
+("failed", request id, message) for a request it could not take.
 
 With expert parallelism the cores step together: each loop turn every core's driver adds up
 (has work, stop) over the data-parallel group; when any core has work every core steps once,
@@ -21,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 
-from fastdeploy.config import FDConfig
+from fastdeploy.config import FDConfig, ParallelConfig
 from fastdeploy.distributed.parallel import BEAT_S, Activity, start_beating
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.metrics import engine_stats
@@ -51,6 +55,20 @@ class CoreRequest:
     prefill_after: str | None  # the id of an earlier sample of the same prompt on this core
 
 
+def front_address(pc: ParallelConfig) -> tuple[str, int]:
+    """Under paddle.distributed.launch: where the front (on global rank 0's host) listens for the
+    cores: that host, port ``data_parallel_rpc_port`` or the launcher's master port + 1."""
+    host = os.environ["PADDLE_TRAINER_ENDPOINTS"].split(",")[0].rsplit(":", 1)[0]
+    return host, pc.data_parallel_rpc_port or int(os.environ["PADDLE_MASTER"].rsplit(":", 1)[1]) + 1
+
+
+def authkey() -> bytes:
+    """The key the front and launched cores prove to each other (``FD_DP_AUTHKEY``, the same on
+    every node; else the launcher's master address, which keeps strays out, not attackers: the
+    cluster's network is trusted, as by paddle's own TCP store)."""
+    return os.environ.get("FD_DP_AUTHKEY", os.environ.get("PADDLE_MASTER", "fastdeploy")).encode()
+
+
 def take(engine: LLMEngine, cr: CoreRequest) -> None:
     """Queue a routed request (ValueError if the engine refuses it)."""
     req = engine.make_request(cr.prompt_token_ids, cr.params, cr.request_id)
@@ -65,6 +83,7 @@ def serve(engine: LLMEngine, conn: Connection) -> None:
     dp = engine.parallel.dp
     scheduled_at: dict[str, float | None] = {}  # of each request that got tokens this step
     engine.step_listeners.append(lambda req, now: scheduled_at.__setitem__(req.request_id, req.first_scheduled_time))
+    conn.send(("hello", dp.rank if dp is not None else 0))
     conn.send(("ready", engine_stats(engine)))
     stop = False
     while True:
@@ -104,6 +123,22 @@ def run_core(fd: FDConfig, conn: Connection, front_pid: int | None) -> None:
             engine.runner.stop_workers()
     finally:
         engine.shutdown()
+
+
+def run_launched_core(fd: FDConfig) -> None:
+    """A core's rank under paddle.distributed.launch (not global rank 0, whose front starts its
+    core itself): connect to the front, then serve."""
+    address = front_address(fd.parallel_config)
+    deadline = time.monotonic() + fd.parallel_config.dist_timeout
+    while True:  # the front may not listen yet
+        try:
+            conn = Client(address, authkey=authkey())
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no data-parallel front at {address[0]}:{address[1]} (--dist-timeout)") from None
+            time.sleep(0.2)
+    run_core(fd, conn, None)
 
 
 def main(argv: list[str] | None = None) -> None:

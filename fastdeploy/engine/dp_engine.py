@@ -22,17 +22,18 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import AuthenticationError, Connection, Listener, wait
 
-from fastdeploy.distributed.parallel import BEAT_ENV, free_port, rank_env
+from fastdeploy.distributed.parallel import BEAT_ENV, LAUNCH_ENV, free_port, rank_env
 from fastdeploy.distributed.watchdog import RankWatchdog
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.engine.dp_core import CoreRequest
+from fastdeploy.engine.dp_core import CoreRequest, authkey, front_address
 from fastdeploy.engine.dp_router import Router
 from fastdeploy.engine.engine import LLMEngine, RequestMaker, exit_on_rank_failure
 from fastdeploy.input.grammar import GrammarEngine
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.request import Request, RequestOutput, RequestStatus
+from fastdeploy.worker.kv_sizing import on_gpu
 from fastdeploy.worker.tp_worker import encode_config
 
 logger = logging.getLogger("fastdeploy")
@@ -63,7 +64,9 @@ class DPEngine(RequestMaker):
         self.waiting_since: float | None = None  # the last core message while requests are out
         self.watchdog = None
         self.procs: list[subprocess.Popen] = []
-        self.conns: list[Connection] = []
+        self.conns: list[Connection | None] = []  # by data-parallel rank
+        self.listener: Listener | None = None  # under a launcher: where the other cores connect
+        self.accepted: list[Connection] = []
         try:
             beats, names = self._spawn()
             self._wait_ready()
@@ -76,10 +79,27 @@ class DPEngine(RequestMaker):
         atexit.register(self.shutdown)
 
     def _spawn(self) -> tuple[list[int], list[str]]:
-        """Start every process; returns the read ends of their beat pipes and their names."""
+        """Start every process (under paddle.distributed.launch only core 0, with this process's
+        rank-0 environment: the launcher started the others, whose cores connect to
+        ``listener``); returns the read ends of their beat pipes and their names."""
         pc = self.config.parallel_config
         T = pc.tensor_parallel_size
         world = pc.data_parallel_size * (T if pc.lockstep else 1)
+        self.conns = [None] * pc.data_parallel_size
+        if LAUNCH_ENV in os.environ:
+            if not pc.lockstep:
+                raise ValueError(
+                    "data_parallel_size under paddle.distributed.launch needs enable_expert_parallel (one world of "
+                    "D x TP ranks); for replicas, start one server a replica"
+                )
+            if int(os.environ[LAUNCH_ENV]) != pc.data_parallel_size * T:
+                raise ValueError(
+                    f"data_parallel_size x tensor_parallel_size = {pc.data_parallel_size * T} ranks, but the "
+                    f"launcher started {os.environ[LAUNCH_ENV]}"
+                )
+            self.listener = Listener(front_address(pc), authkey=authkey())
+            threading.Thread(target=self._accept, name="fastdeploy-dp-accept", daemon=True).start()
+            world = 1
         step = T if pc.lockstep else 1  # global ranks a core apart
         word, pid = encode_config(self.config), str(os.getpid())
         endpoints = [f"127.0.0.1:{free_port()}" for _ in range(world)]
@@ -89,10 +109,14 @@ class DPEngine(RequestMaker):
         for g in range(world):
             rd, wr = os.pipe()
             os.set_blocking(rd, False)
-            env = {k: v for k, v in os.environ.items() if k not in launch_keys}  # an outer launcher's
-            env[BEAT_ENV] = str(wr)
-            if pc.lockstep:
+            env = {**os.environ, BEAT_ENV: str(wr)}
+            if pc.lockstep and self.listener is None:
                 env.update(rank_env(g, world, endpoints, master))
+            elif not pc.lockstep:  # a replica: its own TP world, on its own GPUs (numbered from 0 inside it)
+                env = {k: v for k, v in env.items() if k not in launch_keys}
+                if on_gpu():
+                    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(world * T)))).split(",")
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[g * T : (g + 1) * T])
             fds = [wr]
             if g % step == 0:
                 front, core = socket.socketpair()
@@ -107,27 +131,52 @@ class DPEngine(RequestMaker):
             beats.append(rd)
             if g % step == 0:
                 core.close()
-                self.conns.append(Connection(front.detach()))
+                self.conns[g // step] = Connection(front.detach())
         return beats, names
 
+    def _accept(self) -> None:
+        """Under a launcher: take the cores' connections until the listener closes."""
+        while True:
+            try:
+                self.accepted.append(self.listener.accept())
+            except AuthenticationError:
+                logger.warning("a connection to the data-parallel front failed authentication (FD_DP_AUTHKEY)")
+            except OSError:
+                return
+
     def _wait_ready(self) -> None:
-        """Each core's "ready" (its stats); RuntimeError naming a process that exits first."""
-        waiting = set(range(len(self.conns)))
-        while waiting:
-            for conn in wait([self.conns[r] for r in waiting], timeout=0.2):
-                r = self.conns.index(conn)
+        """Each core's "hello" (a launched core's connection: its rank) and "ready" (its stats);
+        RuntimeError naming a process that exits, or a core that hangs up, first."""
+        ready: set[int] = set()
+        unknown: list[Connection] = []  # launched cores' connections before their hello
+        while len(ready) < len(self.conns):
+            while self.accepted:
+                unknown.append(self.accepted.pop())
+            live = [c for r, c in enumerate(self.conns) if c is not None and r not in ready] + unknown
+            for conn in wait(live, timeout=0.2):
                 try:
-                    kind, stats = conn.recv()
+                    msg = conn.recv()
                 except EOFError:
-                    continue  # its exit is named below
-                assert kind == "ready", kind
-                self.core_stats[r] = stats
-                waiting.discard(r)
+                    if conn in unknown:  # not a core yet: a stray
+                        unknown.remove(conn)
+                        continue
+                    raise RuntimeError(
+                        f"data-parallel engine core {self.conns.index(conn)} hung up while starting"
+                    ) from None
+                if msg[0] == "hello" and conn in unknown:
+                    unknown.remove(conn)
+                    self.conns[msg[1]] = conn
+                elif msg[0] == "ready":
+                    r = self.conns.index(conn)
+                    self.core_stats[r] = msg[1]
+                    ready.add(r)
             for p in self.procs:
                 if p.poll() is not None:
                     raise RuntimeError(
                         f"a data-parallel process (pid {p.pid}) exited with status {p.returncode} while starting"
                     )
+        if self.listener is not None:
+            self.listener.close()
 
     def _step_started(self) -> float | None:
         return self.waiting_since if self.requests else None
@@ -239,9 +288,12 @@ class DPEngine(RequestMaker):
         """Tell the cores to stop, give each process 10 s to exit, kill what is left."""
         if self.watchdog is not None:
             self.watchdog.stop()
-        for rank in range(len(self.conns)):
+        if self.listener is not None:
+            self.listener.close()
+        for conn in self.conns:
             try:
-                self.conns[rank].send(("stop",))
+                if conn is not None:
+                    conn.send(("stop",))
             except OSError:
                 pass
         deadline = time.monotonic() + 10

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 from ref import moe_route_ref
 
 from fastdeploy.distributed.parallel import free_port, rank_env

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastdeploy.distributed.parallel import LAUNCH_ENV
 from fastdeploy.engine.args import EngineArgs, add_dataclass_args, setting
 from fastdeploy.engine.async_engine import AsyncLLMEngine
+from fastdeploy.engine.dp_core import run_launched_core
 from fastdeploy.engine.dp_engine import create_engine
 from fastdeploy.engine.engine import EXIT_GRACE_S
 from fastdeploy.entrypoints.openai.guard import Guard
@@ -233,9 +234,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = make_parser()
     ns = ap.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if os.environ.get(LAUNCH_ENV) and int(os.environ.get("PADDLE_TRAINER_ID", "0")) != 0:
-        args = EngineArgs.from_cli_args(ns)  # a rank under paddle.distributed.launch: no HTTP
-        return run_worker(args.create_config(), args.dtype)
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0")) if os.environ.get(LAUNCH_ENV) else 0
+    if rank:  # a rank under paddle.distributed.launch: no HTTP; a data-parallel core's driver, or a model shard
+        fd = EngineArgs.from_cli_args(ns).create_config()
+        pc = fd.parallel_config
+        if pc.data_parallel_size > 1 and rank % pc.tensor_parallel_size == 0:
+            return run_launched_core(fd)
+        return run_worker(fd)
     try:
         engine = create_engine(EngineArgs.from_cli_args(ns))
     except (ValueError, FileNotFoundError) as e:
