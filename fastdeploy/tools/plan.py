@@ -12,11 +12,12 @@ dtype (``--quantization none``) and, for an FP8 checkpoint, as the runner keeps 
 The KV pools are sized as the runner sizes them (``plan_kv_blocks``) from the memory left after
 the weights.
 
-``--data-parallel-size D`` prices attention data parallelism with expert parallelism (issue 40's
-layout, not served yet): D groups of ``--tensor-parallel-size`` ranks, each group with its own
-requests and KV cache, the routed experts split over all D x TP ranks (EP), everything else as
-TP splits it inside a group. Under TP alone every rank holds every request's MLA latent (it is
-not split by heads), so the deployment holds one rank's tokens; under DP it holds D times them.
+``--data-parallel-size D`` prices attention data parallelism with expert parallelism (the
+engine's ``--data-parallel-size D --enable-expert-parallel``, docs/design.md §4.19): D groups of
+``--tensor-parallel-size`` ranks, each group with its own requests and KV cache, the routed
+experts split over all D x TP ranks (EP), everything else as TP splits it inside a group. Under
+TP alone every rank holds every request's MLA latent (it is not split by heads), so the
+deployment holds one rank's tokens; under DP it holds D times them.
 ``--context-len`` turns tokens into requests: how many of that length fit at once.
 """
 

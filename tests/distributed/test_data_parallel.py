@@ -12,7 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from live_server import ServerProcess
+from live_server import ServerProcess, free_port
 
 from fastdeploy.engine.dp_router import Router
 
@@ -195,3 +195,45 @@ def test_a_failed_core_stops_the_front(procs, how, when):
     while s.group_pids() and time.time() < deadline:
         time.sleep(0.1)
     assert s.group_pids() == []
+
+
+def test_under_paddles_launcher_rank_0_serves_and_the_other_core_connects(tmp_path, rng):
+    """``python -m paddle.distributed.launch --nproc_per_node 2 SERVER --data-parallel-size 2
+    --enable-expert-parallel``: rank 0 serves HTTP with core 0 in a child process, rank 1's core
+    connects over TCP; two prompts (one each) give one engine's greedy tokens; the launcher's
+    process group leaves nothing behind."""
+    from fastdeploy.entrypoints.openai import api_server
+
+    port = free_port()
+    prompts = [[int(x) for x in rng.integers(2, 500, n)] for n in (2 * W + 5, 20)]
+    from fastdeploy import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].text for o in LLM(**KW).generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(tmp_path), "--nproc_per_node", "2"]
+    cmd += [api_server.__file__, *FLAGS, "--port", str(port), "--data-parallel-size", "2", "--enable-expert-parallel"]
+    env = {**os.environ, "FD_DP_AUTHKEY": "test-key"}
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+            assert p.poll() is None, (tmp_path / "workerlog.0").read_text()[-3000:]
+        body = {"model": "tiny-mla-swa", "prompt": prompts, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+        got = [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])]
+        assert got == want, r
+        generated = labelled(base, "generation_tokens_total")
+        assert sorted(generated.values()) == [40.0, 40.0]  # one prompt a core
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=30)
+        deadline = time.time() + 10
+        while subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True).stdout and time.time() < deadline:
+            time.sleep(0.2)
+        assert not subprocess.run(["pgrep", "-g", str(p.pid)], capture_output=True).stdout
