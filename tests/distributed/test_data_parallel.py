@@ -12,7 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from live_server import ServerProcess, free_port
+from live_server import ServerProcess, free_port, wait_idle
 
 from fastdeploy.engine.dp_router import Router
 
@@ -79,6 +79,18 @@ def test_dp2_gives_one_ranks_tokens_and_logprobs(kw, rng):
     two = run(bs, data_parallel_size=2, **eng, **kw)
     assert_same(two, one)
     assert two[2][2] >= 48 and two[3][2] >= 48  # the later prompts of the shared prefix hit it
+
+
+def test_dp2_ep2_serves_fp8_and_dsa_checkpoints_like_one_rank(tmp_path, rng):
+    """An FP8 checkpoint (each rank reads only its experts' e4m3 blocks and scales) whose layers
+    1 and 3 are DSA (DeepSeek-V3.2's lightning indexer), 0 SWA: DP 2 x EP 2 gives one engine's
+    tokens and logprobs."""
+    from fastdeploy.tools.make_tiny_model import make_tiny_model
+
+    d = make_tiny_model(str(tmp_path / "m"), fp8=True, swa_layers=[0], dsa_layers=[1, 3], index_topk=16)
+    bs = [[{"prompt_token_ids": [int(x) for x in rng.integers(2, 500, n)]} for n in (2 * W + 21, 12)]]
+    one = run(bs, model=d)
+    assert_same(run(bs, model=d, data_parallel_size=2, enable_expert_parallel=True), one)
 
 
 def test_dp2_tp2_with_expert_parallel_equals_one_rank(rng):
@@ -166,6 +178,40 @@ def test_server_dp2_ep2_keeps_a_chat_on_one_core(procs):
     used = labelled(s.base, "kv_cache_blocks_used")
     assert used == {"0": 0.0, "1": 0.0}
     assert httpx.get(s.base + "/health").status_code == 200
+
+
+def test_server_dp2_ep2_samples_aborts_and_constrains(procs):
+    """Through the front: n = 3 seeded samples of one prompt (one core: their prefill shared), a
+    stream the client drops mid-way (aborted on its core: every block free after), and a JSON
+    constraint (its matcher made again on the core) give what one engine gives."""
+    outs = {}
+    for dp in ("1", "2"):
+        extra = ("--enable-expert-parallel",) if dp == "2" else ()
+        s = procs("--data-parallel-size", dp, "--enable-prefix-caching", *extra)
+        body = {"model": "tiny-mla-swa", "prompt": "Once upon a time " * 4, "max_tokens": 10, "n": 3, "seed": 7}
+        r = httpx.post(s.base + "/v1/completions", json=body, timeout=120).json()
+        assert r["usage"]["completion_tokens"] == 30 and len(r["choices"]) == 3
+        texts = [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])]
+        if dp == "2":  # the three samples on one core
+            assert sorted(labelled(s.base, "generation_tokens_total").values()) == [0.0, 30.0]
+        stream = {**body, "n": 1, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.base + "/v1/completions", json=stream, timeout=120) as st:
+            for i, _ in enumerate(st.iter_lines()):
+                if i == 6:
+                    break  # the client goes away mid-generation
+        chat = {
+            "model": "tiny-mla-swa",
+            "messages": [{"role": "user", "content": "Give me a JSON object."}],
+            "max_tokens": 30,
+            "temperature": 0,
+            "response_format": {"type": "json_object"},
+        }
+        r = httpx.post(s.base + "/v1/chat/completions", json=chat, timeout=120).json()
+        outs[dp] = (texts, r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"])
+        wait_idle(s.base)  # the dropped stream's blocks freed on its core too
+        if dp == "2":
+            assert labelled(s.base, "kv_cache_blocks_used") == {"0": 0.0, "1": 0.0}
+    assert outs["2"] == outs["1"]
 
 
 @pytest.mark.parametrize("how, when", [("kill", "step"), ("stop", "step"), ("kill", "idle")])
