@@ -9,7 +9,7 @@ paddle.distributed.launch, by the API server on a core's rank (``run_launched_co
 connects to the front over TCP (``front_address``, authenticated by ``authkey``). Messages,
 pickled through ``multiprocessing.connection``: the front sends ("add", CoreRequest),
 ("abort", request id) and ("stop",); the core sends ("hello", its data-parallel rank) and
-("ready", stats) once, then after each step ("out", outputs, first scheduled times, stats) and
+("ready", stats) once, then after each step ("out", a CoreOutput per request with new tokens, stats) and
 ("failed", request id, message) for a request it could not take.
 
 With expert parallelism the cores step together: each loop turn every core's driver adds up
@@ -26,33 +26,18 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 
 from fastdeploy.config import FDConfig, ParallelConfig
 from fastdeploy.distributed.parallel import BEAT_S, Activity, start_beating
+from fastdeploy.engine.dp_messages import CoreRequest, Deltas
 from fastdeploy.engine.engine import LLMEngine
 from fastdeploy.engine.metrics import engine_stats
-from fastdeploy.sampling_params import SamplingParams
 from fastdeploy.worker.tp_worker import decode_config, exit_with_driver
 
 logger = logging.getLogger("fastdeploy")
 
 IDLE_POLL_S = 0.005  # an idle core's wait for a message before its next lockstep turn
-
-
-@dataclass(frozen=True)
-class CoreRequest:
-    """What the front sends of a request it made and checked: the core makes it again (its own
-    grammar matcher) under the same id."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    arrival_time: float
-    group: str | None
-    prefill_after: str | None  # the id of an earlier sample of the same prompt on this core
 
 
 def front_address(pc: ParallelConfig) -> tuple[str, int]:
@@ -83,6 +68,7 @@ def serve(engine: LLMEngine, conn: Connection) -> None:
     dp = engine.parallel.dp
     scheduled_at: dict[str, float | None] = {}  # of each request that got tokens this step
     engine.step_listeners.append(lambda req, now: scheduled_at.__setitem__(req.request_id, req.first_scheduled_time))
+    deltas = Deltas()
     conn.send(("hello", dp.rank if dp is not None else 0))
     conn.send(("ready", engine_stats(engine)))
     stop = False
@@ -97,6 +83,7 @@ def serve(engine: LLMEngine, conn: Connection) -> None:
                     conn.send(("failed", msg[1].request_id, str(e)))
             elif msg[0] == "abort":
                 engine.abort_request(msg[1])
+                deltas.sent.pop(msg[1], None)
             else:
                 stop = True
         busy = engine.has_unfinished_requests()
@@ -107,8 +94,8 @@ def serve(engine: LLMEngine, conn: Connection) -> None:
         if not busy:
             continue
         outs = engine.step()  # with nothing of this core's own: a dummy step
-        times = [scheduled_at.pop(o.request_id, None) for o in outs]
-        conn.send(("out", outs, times, engine_stats(engine)))
+        sent = [deltas.of(o, scheduled_at.pop(o.request_id, None)) for o in outs]
+        conn.send(("out", sent, engine_stats(engine)))
 
 
 def run_core(fd: FDConfig, conn: Connection, front_pid: int | None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -27,7 +28,8 @@ from multiprocessing.connection import AuthenticationError, Connection, Listener
 from fastdeploy.distributed.parallel import BEAT_ENV, LAUNCH_ENV, free_port, rank_env
 from fastdeploy.distributed.watchdog import RankWatchdog
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.engine.dp_core import CoreRequest, authkey, front_address
+from fastdeploy.engine.dp_core import authkey, front_address
+from fastdeploy.engine.dp_messages import CoreRequest
 from fastdeploy.engine.dp_router import Router
 from fastdeploy.engine.engine import LLMEngine, RequestMaker, exit_on_rank_failure
 from fastdeploy.input.grammar import GrammarEngine
@@ -67,12 +69,16 @@ class DPEngine(RequestMaker):
         self.conns: list[Connection | None] = []  # by data-parallel rank
         self.listener: Listener | None = None  # under a launcher: where the other cores connect
         self.accepted: list[Connection] = []
+        self.inbox: queue.Queue = queue.Queue()  # (core, message), from the reader threads
+        self.stopping = False
         try:
             beats, names = self._spawn()
             self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
+        for rank, conn in enumerate(self.conns):
+            threading.Thread(target=self._read, args=(rank, conn), name=f"fastdeploy-dp-{rank}", daemon=True).start()
         self.watchdog = RankWatchdog(
             self.procs, self._step_started, pc.dist_timeout, self._rank_failed, beats=beats, names=names
         )
@@ -233,17 +239,28 @@ class DPEngine(RequestMaker):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def _read(self, rank: int, conn: Connection) -> None:
+        """A core's messages into ``inbox``, from a thread of its own (the front never blocks a
+        core's send); a connection that closes outside shutdown is the core's failure."""
+        while True:
+            try:
+                self.inbox.put((rank, conn.recv()))
+            except Exception as e:  # noqa: BLE001 - closed (EOFError, OSError) or a message not understood
+                if not self.stopping:
+                    why = "closed its connection" if isinstance(e, (EOFError, OSError)) else f"sent {e!r}"
+                    self._rank_failed(f"data-parallel engine core {rank} {why}")
+                return
+
     def step(self) -> list[RequestOutput]:
         """The outputs the cores sent since the last call (waits up to STEP_WAIT_S for one)."""
         outputs: list[RequestOutput] = []
-        for conn in wait(self.conns, timeout=STEP_WAIT_S):
-            rank = self.conns.index(conn)
-            try:
-                while conn.poll():
-                    outputs += self._received(rank, conn.recv())
-            except (EOFError, OSError):
-                self._rank_failed(f"data-parallel engine core {rank} closed its connection")
-        return outputs
+        try:
+            item = self.inbox.get(timeout=STEP_WAIT_S)
+            while True:
+                outputs += self._received(*item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            return outputs
 
     def _received(self, rank: int, msg: tuple) -> list[RequestOutput]:
         now = time.monotonic()
@@ -258,27 +275,23 @@ class DPEngine(RequestMaker):
             for listener in self.finish_listeners:
                 listener(rid, "error")
             return [req.to_output()]
-        _, outs, times, self.core_stats[rank] = msg
-        taken = []
-        for out, scheduled in zip(outs, times, strict=True):
-            req = self.requests.get(out.request_id)
+        _, sent, self.core_stats[rank] = msg
+        outputs = []
+        for co in sent:
+            req = self.requests.get(co.request_id)
             if req is None:  # aborted here since
                 continue
-            comp = out.outputs[0]
-            req.output_token_ids, req.output_text = comp.token_ids, comp.text
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = scheduled
-            if out.finished:
-                req.finish_reason, req.error = comp.finish_reason, out.error
-                self._end(req, comp.finish_reason or "stop")
-            if out.error is None:
+            co.apply(req)
+            if co.finished:
+                self._end(req, co.finish_reason or "stop")
+            if co.error is None:
                 for listener in self.step_listeners:
                     listener(req, now)
             else:
                 for listener in self.finish_listeners:
-                    listener(out.request_id, "error")
-            taken.append(out)
-        return taken
+                    listener(co.request_id, "error")
+            outputs.append(req.to_output())
+        return outputs
 
     def rank_stats(self) -> list[tuple[dict[str, str], dict]]:
         """Each core's counts as of its latest step, labelled ``dp_rank``."""
@@ -286,6 +299,7 @@ class DPEngine(RequestMaker):
 
     def shutdown(self) -> None:
         """Tell the cores to stop, give each process 10 s to exit, kill what is left."""
+        self.stopping = True
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.listener is not None:
