@@ -20,7 +20,10 @@ setup(
     extras_require={
         # torch (CPU) only lets Triton's interpreter run the kernels in tests (docs/design.md §5);
         # transformers: Hugging Face's DeepseekV3, held against the engine in tests.
-        "test": ["pytest>=8", "pytest-cov>=5", "diff-cover>=9", "httpx>=0.27", "openai>=1.30", "torch==2.13.0", "ruff", "import-linter>=2.1", "hypothesis>=6.100", "jsonschema>=4.20", "lm_eval[api]>=0.4.13,<0.5", "schemathesis>=4.0", "transformers>=5.0,<6"],
+        "test": ["pytest>=8", "pytest-cov>=5", "diff-cover>=9", "httpx>=0.27", "openai>=1.30", "torch==2.13.0", "ruff", "import-linter>=2.1", "hypothesis>=6.100", "jsonschema>=4.20", "lm_eval[api]>=0.4.13,<0.5", "schemathesis>=4.0", "transformers>=5.0,<6", "mooncake-transfer-engine-non-cuda>=0.3.13", "nixl-cu12>=1.5"],
+        # prefill / decode disaggregation's transfer engine (docs/design.md §4.20); its import needs
+        # libibverbs1 (Debian's package). GPU hosts: mooncake-transfer-engine (CUDA) instead.
+        "kv": ["mooncake-transfer-engine-non-cuda>=0.3.13"],
         # mutation testing (tools/mutation.py, docs/mutation.md); not run in CI
         "mutation": ["mutmut>=3.8,<4"],
     },

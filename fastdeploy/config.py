@@ -505,6 +505,48 @@ class SpeculativeConfig:
 
 MAX_SPECULATIVE_TOKENS = 8
 
+KV_CONNECTORS = ("MooncakeConnector", "NixlConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """``--kv-transfer-config`` (vLLM's JSON; docs/design.md §4.20): ``kv_connector`` the transfer
+    engine (None: no transfer), ``kv_role`` whether this instance sends prompts' KV (producer,
+    a prefill instance), receives it (consumer, a decode instance) or both, ``kv_ip`` the host
+    its transfer endpoint binds, ``kv_timeout`` seconds a transfer may take."""
+
+    kv_connector: str | None = None
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config: kv_connector {self.kv_connector!r} is not one of {KV_CONNECTORS}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role {self.kv_role!r} is not one of {KV_ROLES}")
+        if not (isinstance(self.kv_timeout, (int, float)) and self.kv_timeout > 0):
+            raise ValueError(f"kv_transfer_config: kv_timeout must be positive, got {self.kv_timeout!r}")
+
+    @classmethod
+    def parse(cls, text: str | None) -> KVTransferConfig:
+        """The JSON object of ``--kv-transfer-config`` (None: no transfer); ValueError naming a bad key."""
+        if text is None:
+            return cls()
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_transfer_config: not JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"kv_transfer_config: must be a JSON object, got {raw!r}")
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key {unknown[0]!r}")
+        if "kv_connector" not in raw:
+            raise ValueError(f"kv_transfer_config: 'kv_connector' is required (one of {KV_CONNECTORS})")
+        return cls(**raw)
+
 
 @dataclass
 class ParallelConfig:
@@ -585,6 +627,7 @@ class FDConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         sc, mc = self.scheduler_config, self.model_config

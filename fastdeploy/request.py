@@ -70,6 +70,7 @@ class Request:
     group: str | None = None  # the API call it belongs to (fair admission); None: itself
     matcher: Any = None  # the structured-output matcher (llguidance), advanced with each output token
     grammar_after: int | None = None  # the matcher waits until this token is generated (e.g. </think>)
+    kv_target: Any = None  # a prefill instance's: where its prompt's KV goes when it finishes (engine/kv_handoff.py)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled by position as the prompt is computed
     prompt_ranks: list[int | None] | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # the draft model's guesses of the next tokens

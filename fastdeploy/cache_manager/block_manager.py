@@ -186,6 +186,27 @@ class BlockManager:
             tables[g] += [pool.take() for _ in range(need[g])]
         return True
 
+    def allocate_remote(self, req: Request) -> dict[str, list[tuple[int, int]]] | None:
+        """A request whose prompt another instance computes (docs/design.md §4.20): its cached
+        prefix referenced (``match_prefix``), then blocks taken for the rest of the prompt, in
+        an SWA group only from the window the first generated position sees. Returns, per group,
+        (logical index, block) of each block to fill; None (nothing kept) when a pool is short."""
+        hit = self.match_prefix(req)
+        tables, bs, n = self._tables(req), self.block_size, len(req.prompt_token_ids)
+        target = self.blocks_needed(n)
+        lo = {g: self.first_visible_block(n) if g == SWA_GROUP else 0 for g in self.pools}
+        need = {g: target - max(len(tables[g]), lo[g]) for g in self.pools}
+        if any(need[g] > pool.num_free for g, pool in self.pools.items()):
+            self.free_request(req)
+            return None
+        fill: dict[str, list[tuple[int, int]]] = {}
+        for g, pool in self.pools.items():
+            table = tables[g]
+            for j in range(len(table), target):
+                table.append(pool.take() if j >= lo[g] else -1)
+            fill[g] = [(j, table[j]) for j in range(hit // bs, target) if table[j] >= 0]
+        return fill
+
     def cache_full_blocks(self, req: Request, num_computed: int | None = None) -> None:
         """Register the request's full blocks among its first ``num_computed`` tokens (default:
         its computed tokens; steps still running do not count) for prefix reuse, in every group."""

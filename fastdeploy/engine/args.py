@@ -22,6 +22,7 @@ from fastdeploy.config import (
     QUANTIZATIONS,
     CacheConfig,
     FDConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -138,6 +139,13 @@ class EngineArgs:
         "unchanged); None: off",
     )
 
+    kv_transfer_config: str | None = setting(
+        None,
+        'prefill/decode disaggregation, a JSON object: {"kv_connector": "MooncakeConnector" | "NixlConnector", '
+        '"kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_ip": HOST, "kv_timeout": S}: this instance '
+        "sends computed prompts' KV blocks to, or receives them from, another instance; None: off",
+    )
+
     def create_config(self) -> FDConfig:
         """Every config, built by keyword; a ValueError names the bad setting."""
         model_config = ModelConfig.from_pretrained(resolve_model(self.model))
@@ -177,6 +185,7 @@ class EngineArgs:
             ),
             kernel_config=kernels,
             speculative_config=SpeculativeConfig.parse(self.speculative_config),
+            kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config),
         )
 
     @classmethod

@@ -17,9 +17,11 @@ from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_re
 from fastdeploy.distributed.parallel import Activity, init_parallel
 from fastdeploy.distributed.watchdog import RankWatchdog
 from fastdeploy.engine.args import EngineArgs
+from fastdeploy.engine.kv_handoff import KVHandoff, KVTarget
 from fastdeploy.engine.metrics import SpecDecodeStats, engine_stats
 from fastdeploy.input.grammar import GrammarEngine
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
+from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.request import Request, RequestOutput, RequestStatus
 from fastdeploy.sampling_params import SamplingParams
 from fastdeploy.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -199,6 +201,10 @@ class LLMEngine(RequestMaker):
         self.num_request_errors = 0
         self.finish_listeners: list = []  # callables(request_id, reason) for aborted or failed requests
         self.in_flight: Launched | None = None  # the step launched last, not yet taken (overlapped loop)
+        self.kv: KVHandoff | None = None  # prefill / decode disaggregation (docs/design.md §4.20)
+        if self.config.kv_transfer_config.kv_connector is not None:
+            self.kv = KVHandoff(self.config, self.runner.kv_regions())
+        self.parked: dict[str, Request] = {}  # reserved for a prefill instance's KV, not yet committed
 
     def _rank_failed(self, why: str) -> None:
         """Another rank died or stopped answering: report it, then exit (this rank may be blocked
@@ -239,6 +245,38 @@ class LLMEngine(RequestMaker):
                 listener(request_id, "abort")
         self.detok.pop(request_id, None)
         return live
+
+    def reserve(self, req: Request) -> KVTarget:
+        """A decode instance: take blocks for a request whose prompt a prefill instance computes
+        (its cached prefix kept; SWA groups only the last window) and park it until ``commit``;
+        the target names the blocks to fill. ValueError when no transfer is configured, the id is
+        in use, or the pools are short."""
+        if self.kv is None:
+            raise ValueError("kv_transfer_params: this instance has no --kv-transfer-config")
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        fill = self.block_manager.allocate_remote(req)
+        if fill is None:
+            raise ValueError(f"kv_transfer_params: no KV blocks free for {len(req.prompt_token_ids)} prompt tokens")
+        self.requests[req.request_id] = self.parked[req.request_id] = req
+        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+        return self.kv.target(req.request_id, fill)
+
+    def commit(self, request_id: str, first: SampleResult) -> RequestOutput:
+        """A parked request's prompt KV has arrived with its first token: it runs on from there
+        (its first output, which may already finish it). KeyError for an unknown id."""
+        req = self.parked.pop(request_id)
+        req.num_computed_tokens = req.num_cached_tokens = len(req.prompt_token_ids)
+        self.block_manager.cache_full_blocks(req)
+        req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
+        req.status = RequestStatus.RUNNING
+        self.scheduler.running.append(req)
+        self._append(req, first, time.monotonic())
+        out = req.to_output()
+        if req.is_finished:
+            self.requests.pop(request_id, None)
+            self.detok.pop(request_id, None)
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
@@ -444,4 +482,10 @@ class LLMEngine(RequestMaker):
             if not cut:  # the whole text, a trailing partial character included (as "\ufffd")
                 req.output_text = detok.whole
             req.finish_reason = reason
+            if req.kv_target is not None:  # a prefill instance: the prompt's KV to its decode instance first
+                try:
+                    self.kv.push(req.block_tables, req.kv_target)
+                except Exception as e:  # noqa: BLE001 - the request fails, the engine serves on
+                    req.error, req.finish_reason = f"{type(e).__name__}: {e}", "error"
+                    self.num_request_errors += 1
             self.scheduler.finish(req)

@@ -158,6 +158,17 @@ class GPUModelRunner:
             )
         return caches
 
+    def kv_regions(self) -> list[tuple[str, int, int, int]]:
+        """Each cache tensor (a DSA layer's two) as (its KV cache group, address, bytes a block,
+        blocks): blocks are the tensors' first axis, so a block of a layer is one contiguous
+        range (what a KV transfer moves, docs/design.md §4.20)."""
+        out = []
+        for spec, cache in zip(self.kv_specs, self.caches, strict=False):
+            for t in cache if isinstance(cache, IndexedCache) else (cache,):
+                per_block = t.element_size() * int(np.prod(t.shape[1:]))
+                out.append((spec.group, t.data_ptr(), per_block, int(t.shape[0])))
+        return out
+
     def step_inputs(self, scheduled: list[tuple[Request, int]]) -> StepInputs:
         """The step's host arrays (``build_step_inputs``), decode steps padded to their bucket."""
         return build_step_inputs(scheduled, self.null_block, self.fd.scheduler_config.bucket_for)

@@ -274,7 +274,7 @@ def test_help_shows_every_flag_with_its_default():
             entry = " ".join(text[start:end].split())
             assert f"(default: {f.default})" in entry, entry
             flags += 1
-    assert flags == text.count("(default:") == 39  # 12 server settings, 27 engine settings
+    assert flags == text.count("(default:") == 40  # 12 server settings, 28 engine settings
     ns = api_server.make_parser().parse_args(["--max-model-len", "None", "--no-enable-chunked-prefill", "--port", "9"])
     assert ns.max_model_len is None and ns.enable_chunked_prefill is False and ns.port == 9
     assert api_server.make_parser().parse_args(["--max-model-len", "256"]).max_model_len == 256

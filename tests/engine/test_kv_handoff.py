@@ -1,0 +1,189 @@
+"""Prefill on one engine, decode on another, the prompt's KV moved by a real transfer engine over
+TCP (docs/design.md §4.20): the decode engine reserves blocks (its prefix hits kept, SWA groups only
+the last window's), the prefill engine computes the prompt in chunks and pushes exactly those
+blocks, the decode engine commits the first token and decodes on. Two engines in one process, each
+with its own transfer endpoint on 127.0.0.1."""
+
+import numpy as np
+import pytest
+
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.config import KVTransferConfig
+from fastdeploy.engine.kv_handoff import KVTarget
+from fastdeploy.kv_transfer.transport import TransferError
+from fastdeploy.model_executor.layers.sampler import SampleResult
+
+KW = dict(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=64, max_model_len=256)
+W, BS = 32, 16  # the tiny preset's window, the block size here
+
+
+def engines(connector: str, **kw):
+    cfg = '{"kv_connector": "%s", "kv_role": "%s", "kv_timeout": 5}'
+    pre = LLM(**{**KW, **kw}, kv_transfer_config=cfg % (connector, "kv_producer")).engine
+    dec = LLM(**{**KW, **kw}, kv_transfer_config=cfg % (connector, "kv_consumer")).engine
+    return pre, dec
+
+
+def generate(engine, ids, sp, rid):
+    req = engine.make_request(ids, sp, rid)
+    engine.enqueue(req)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return req
+
+
+def handoff(pre, dec, ids, sp, rid):
+    """The three moves: reserve on decode, prefill with the target (max_tokens 1), commit."""
+    dreq = dec.make_request(ids, sp, rid)
+    target = dec.reserve(dreq)
+    before = pre.kv.bytes_sent
+    preq = pre.make_request(ids, SamplingParams(max_tokens=1, temperature=0, logprobs=sp.logprobs), "p" + rid)
+    preq.kv_target = KVTarget.from_json(target.to_json())  # what travels over HTTP
+    generate_enqueued(pre, preq)
+    assert preq.error is None, preq.error
+    tok, top = preq.output_token_ids[0], (preq.output_logprobs or [None])[0]
+    dec.commit(rid, SampleResult(tok, top[tok] if top else 0.0, top))
+    while dec.has_unfinished_requests():
+        dec.step()
+    return dreq, target, pre.kv.bytes_sent - before
+
+
+def generate_enqueued(engine, req):
+    engine.enqueue(req)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def used(engine) -> dict:
+    return {g: p.num_used for g, p in engine.block_manager.pools.items()}
+
+
+def window_blocks(n: int) -> int:
+    """SWA blocks the first generated position (n) sees: from (n - W + 1) // BS to the prompt's last."""
+    return -(-n // BS) - max(0, n - W + 1) // BS
+
+
+@pytest.mark.parametrize("connector", ["MooncakeConnector", "NixlConnector"])
+def test_decode_after_a_remote_prefill_gives_one_engines_tokens(connector, rng):
+    """Prompts past 3W (and one at a block edge), prefilled in chunks of 40 (above W) on the
+    prefill engine: the decode engine's greedy tokens and logprobs equal one engine's, SWA groups
+    receive only the window's blocks (bytes counted), and both engines end with every block free
+    (prefix-cached blocks aside)."""
+    one = LLM(**KW, max_num_batched_tokens=40).engine
+    pre, dec = engines(connector, max_num_batched_tokens=40)
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True)
+    for i, n in enumerate((3 * W + 17, 4 * W, 3 * W + 1)):
+        ids = [int(x) for x in rng.integers(2, 500, n)]
+        want = generate(one, ids, sp, f"o{i}")
+        got, target, sent = handoff(pre, dec, ids, sp, f"d{i}")
+        assert got.output_token_ids == want.output_token_ids
+        for a, b in zip(got.output_logprobs, want.output_logprobs, strict=True):
+            assert a.keys() == b.keys()
+            np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-5)
+        blocks = {g: len(p) for g, p in target.fill.items()}
+        assert blocks == {"full": -(-n // BS), "swa": window_blocks(n)}
+        per_block = {g: sum(b for gg, _, b, _ in pre.kv.regions if gg == g) for g in blocks}
+        assert sent == sum(blocks[g] * per_block[g] for g in blocks)
+        assert used(pre) == {"full": 0, "swa": 0} and used(dec) == {"full": 0, "swa": 0}
+
+
+def test_prefix_hits_on_the_decode_side_are_not_sent(rng):
+    """A chat's second turn (the first turn's prompt and answer, then more): the decode engine
+    holds the first turn's blocks, the window before the hit point included, so it keeps them
+    and asks only for the rest. A prompt sharing only its start with the first is not a hit on
+    the decode side (the window there was never sent): all its blocks are asked for. The tokens
+    stay one engine's."""
+    one = LLM(**KW, enable_prefix_caching=True).engine
+    pre, dec = engines("MooncakeConnector", enable_prefix_caching=True)
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    turn1 = [int(x) for x in rng.integers(2, 500, 3 * W + 5)]
+    got, target, _ = handoff(pre, dec, turn1, sp, "d0")
+    assert got.output_token_ids == generate(one, turn1, sp, "o0").output_token_ids
+    held = (len(turn1) + 7) // BS  # full blocks the decode engine computed or received
+    turn2 = turn1 + got.output_token_ids + [int(x) for x in rng.integers(2, 500, 30)]
+    got, target, _ = handoff(pre, dec, turn2, sp, "d1")
+    assert got.output_token_ids == generate(one, turn2, sp, "o1").output_token_ids
+    assert min(j for j, _ in target.fill["full"]) == held and got.num_cached_tokens == len(turn2)
+    other = turn1[: 3 * BS] + [int(x) for x in rng.integers(2, 500, 40)]
+    got, target, _ = handoff(pre, dec, other, sp, "d2")
+    assert got.output_token_ids == generate(one, other, sp, "o2").output_token_ids
+    assert min(j for j, _ in target.fill["full"]) == 0
+
+
+def test_a_push_to_a_gone_peer_or_a_bad_target_fails_only_that_request(rng):
+    """A target whose blocks the prefill request does not hold, one from another model's caches, a
+    malformed one, and a decode engine that is gone: each fails its request with an error naming
+    the cause, frees its blocks, and the prefill engine serves the next request."""
+    pre, dec = engines("MooncakeConnector")
+    sp1 = SamplingParams(max_tokens=1, temperature=0)
+    ids = [int(x) for x in rng.integers(2, 500, 70)]
+    target = dec.reserve(dec.make_request(ids, sp1, "d"))
+    bad_block = KVTarget(target.request_id, target.session, target.regions, {"full": [(99, 0)]})
+    other_model = KVTarget(target.request_id, target.session, target.regions[:-1], target.fill)
+    gone = KVTarget(target.request_id, "127.0.0.1:1", target.regions, target.fill)
+    for i, (t, why) in enumerate([(bad_block, "not one to send"), (other_model, "caches differ"), (gone, "")]):
+        req = pre.make_request(ids, sp1, f"p{i}")
+        req.kv_target = t
+        generate_enqueued(pre, req)
+        assert req.finish_reason == "error" and why in req.error, req.error
+        assert used(pre) == {"full": 0, "swa": 0}
+    assert "TransferError" in req.error
+    with pytest.raises(ValueError, match="not a KV target"):
+        KVTarget.from_json({"request_id": "x", "session": "s", "regions": [["full", "a"]], "fill": {}})
+    ok = pre.make_request(ids, sp1, "ok")
+    ok.kv_target = target
+    generate_enqueued(pre, ok)
+    assert ok.error is None and ok.finish_reason == "length"
+    assert dec.abort_request("d") and used(dec) == {"full": 0, "swa": 0}  # a parked request aborted
+
+
+def test_reserve_refuses_what_it_cannot_hold():
+    """No --kv-transfer-config, an id in use, and a pool too small: each a ValueError naming it,
+    with nothing kept."""
+    plain = LLM(**KW).engine
+    with pytest.raises(ValueError, match="no --kv-transfer-config"):
+        plain.reserve(plain.make_request([5] * 20, SamplingParams(), "a"))
+    _, dec = engines("MooncakeConnector", num_gpu_blocks_override=8, max_model_len=128)
+    dec.reserve(dec.make_request([5] * 20, SamplingParams(), "a"))
+    with pytest.raises(ValueError, match="already in use"):
+        dec.reserve(dec.make_request([5] * 20, SamplingParams(), "a"))
+    held = used(dec)
+    with pytest.raises(ValueError, match="no KV blocks free for 120 prompt tokens"):
+        dec.reserve(dec.make_request([5] * 120, SamplingParams(), "b"))
+    assert used(dec) == held
+
+
+@pytest.mark.parametrize(
+    "text, msg",
+    [
+        ("{", "not JSON"),
+        ('{"kv_role": "kv_producer"}', "'kv_connector' is required"),
+        ('{"kv_connector": "Foo"}', "kv_connector 'Foo'"),
+        ('{"kv_connector": "MooncakeConnector", "kv_role": "both"}', "kv_role 'both'"),
+        ('{"kv_connector": "MooncakeConnector", "kv_timeout": 0}', "kv_timeout"),
+        ('{"kv_connector": "MooncakeConnector", "port": 1}', "unknown key 'port'"),
+    ],
+)
+def test_kv_transfer_config_errors_name_the_key(text, msg):
+    with pytest.raises(ValueError, match=msg):
+        KVTransferConfig.parse(text)
+
+
+def test_a_transport_reports_a_write_that_outlasts_its_timeout():
+    """write_all's timeout: a transport whose write never finishes raises TransferError."""
+    from fastdeploy.kv_transfer.transport import Transport
+
+    class Never(Transport):
+        session = "x"
+
+        def register(self, addr, nbytes):
+            pass
+
+        def write(self, peer, src, dst, lengths):
+            return object()
+
+        def poll(self, handle):
+            return False
+
+    with pytest.raises(TransferError, match="did not finish in 0.05 s"):
+        Never().write_all("peer", [0], [0], [1], 0.05)
