@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 
 from fastdeploy.config import ModelConfig
 from fastdeploy.engine.engine import LLMEngine
@@ -47,6 +48,7 @@ class AsyncLLMEngine:
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.pending: list[Request] = []  # requests for the engine thread to enqueue
         self.pending_aborts: list[tuple[str, BaseException | None]] = []
+        self.pending_calls: list[tuple[Callable, Future]] = []  # run on the engine thread (``call``)
         self.stopped = False
         self.draining = False
         self.error: BaseException | None = None
@@ -136,18 +138,69 @@ class AsyncLLMEngine:
         except RuntimeError:  # the loop is gone (shutdown)
             pass
 
-    def _take_pending(self) -> tuple[list[Request], list[tuple[str, BaseException | None]]]:
+    def call(self, fn: Callable):
+        """``fn(engine)`` run on the engine thread, between steps; its result, or what it raised
+        (any thread but the engine's; EngineDeadError once the engine is gone)."""
+        done: Future = Future()
         with self.lock:
-            while not (self.stopped or self.pending or self.pending_aborts or self.engine.has_unfinished_requests()):
-                self.wake.wait(timeout=0.5)
-            reqs, aborts = self.pending, self.pending_aborts
-            self.pending, self.pending_aborts = [], []
-            return reqs, aborts
+            if not self.healthy:
+                raise EngineDeadError(f"the engine stopped: {self.error!r}")
+            self.pending_calls.append((fn, done))
+            self.wake.notify()
+        return done.result()
+
+    def add_committed(self, req: Request, first, cached_tokens: int = 0) -> asyncio.Queue:
+        """A request ``reserve``d on this (decode) instance whose prompt's KV has arrived with its
+        first token ``first`` (a SampleResult; ``LLMEngine.commit``): it runs on; its outputs on
+        the queue, as ``add``'s."""
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def commit(engine) -> None:
+            try:
+                out = engine.commit(req.request_id, first, cached_tokens)
+            except KeyError:
+                out = ValueError(f"kv_transfer_params: request {req.request_id} is not reserved here (expired?)")
+            self._deliver(out, req.request_id)
+
+        with self.lock:
+            if not self.healthy:
+                raise EngineDeadError(f"the engine stopped: {self.error!r}")
+            self.streams[req.request_id] = (loop, q)
+            self.pending_calls.append((commit, Future()))
+            self.wake.notify()
+        return q
+
+    def _take_pending(self) -> tuple[list[Request], list[tuple[str, BaseException | None]], list]:
+        with self.lock:
+            while not (
+                self.stopped
+                or self.pending
+                or self.pending_aborts
+                or self.pending_calls
+                or self.engine.has_unfinished_requests()
+            ):
+                if not self.wake.wait(timeout=0.5) and getattr(self.engine, "parked", None):
+                    break  # reserved requests to expire
+            taken = self.pending, self.pending_aborts, self.pending_calls
+            self.pending, self.pending_aborts, self.pending_calls = [], [], []
+            return taken
 
     def _loop(self) -> None:
         try:
             while not self.stopped:
-                reqs, aborts = self._take_pending()
+                reqs, aborts, calls = self._take_pending()
+                for fn, done in calls:
+                    try:
+                        result = fn(self.engine)
+                    except Exception as e:  # noqa: BLE001 - the caller's to handle
+                        done.set_exception(e)
+                    else:
+                        done.set_result(result)
+                if getattr(self.engine, "parked", None):
+                    for rid in self.engine.expire_parked():
+                        with self.lock:
+                            self._deliver(TimeoutError(f"request {rid}: its prompt's KV did not arrive in time"), rid)
                 for req in reqs:
                     try:
                         self.engine.enqueue(req)

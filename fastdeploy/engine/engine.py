@@ -236,6 +236,7 @@ class LLMEngine(RequestMaker):
     def abort_request(self, request_id: str) -> bool:
         """Abort a live request, freeing its blocks; whether there was one to abort."""
         req = self.requests.pop(request_id, None)
+        self.parked.pop(request_id, None)
         live = req is not None and not req.is_finished
         if live:
             req.finish_reason = "abort"
@@ -260,15 +261,26 @@ class LLMEngine(RequestMaker):
             raise ValueError(f"kv_transfer_params: no KV blocks free for {len(req.prompt_token_ids)} prompt tokens")
         self.requests[req.request_id] = self.parked[req.request_id] = req
         self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer)
+        req.first_scheduled_time = time.monotonic()  # the reservation's start (expire_parked)
         return self.kv.target(req.request_id, fill)
 
-    def commit(self, request_id: str, first: SampleResult) -> RequestOutput:
+    def expire_parked(self) -> list[str]:
+        """Abort the reserved requests whose KV has not been committed within kv_timeout (their
+        blocks freed); their ids."""
+        limit = time.monotonic() - self.config.kv_transfer_config.kv_timeout
+        gone = [rid for rid, r in self.parked.items() if r.first_scheduled_time < limit]
+        for rid in gone:
+            logger.warning("request %s: its prompt's KV did not arrive in time; freed", rid)
+            self.abort_request(rid)
+        return gone
+
+    def commit(self, request_id: str, first: SampleResult, cached_tokens: int = 0) -> RequestOutput:
         """A parked request's prompt KV has arrived with its first token: it runs on from there
-        (its first output, which may already finish it). KeyError for an unknown id."""
+        (its first output, which may already finish it); ``cached_tokens``: the prompt tokens the
+        prefill instance found in its prefix cache (what usage reports). KeyError for an unknown id."""
         req = self.parked.pop(request_id)
-        req.num_computed_tokens = req.num_cached_tokens = len(req.prompt_token_ids)
+        req.num_computed_tokens, req.num_cached_tokens = len(req.prompt_token_ids), cached_tokens
         self.block_manager.cache_full_blocks(req)
-        req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
         req.status = RequestStatus.RUNNING
         self.scheduler.running.append(req)
         self._append(req, first, time.monotonic())

@@ -169,6 +169,17 @@ def test_kv_transfer_config_errors_name_the_key(text, msg):
         KVTransferConfig.parse(text)
 
 
+@pytest.mark.parametrize(
+    "kw, what",
+    [({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"data_parallel_size": 2}, "data_parallel_size")],
+)
+def test_what_the_handoff_does_not_cover_yet_is_refused(kw, what):
+    from fastdeploy.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=f"kv_transfer_config: not with {what}"):
+        EngineArgs(**KW, **kw, kv_transfer_config='{"kv_connector": "MooncakeConnector"}').create_config()
+
+
 def test_a_transport_reports_a_write_that_outlasts_its_timeout():
     """write_all's timeout: a transport whose write never finishes raises TransferError."""
     from fastdeploy.kv_transfer.transport import Transport

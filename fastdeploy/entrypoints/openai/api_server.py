@@ -113,6 +113,18 @@ def build_app(
     async def chat(http: Request, body: ChatCompletionRequest):
         return await srv.chat(http, body)
 
+    @app.post("/v1/kv/reserve")  # prefill / decode disaggregation, a decode instance (docs/design.md §4.20)
+    async def kv_reserve(http: Request):
+        return await srv.kv_reserve(await _json_object(http))
+
+    @app.post("/v1/kv/continue")
+    async def kv_continue(http: Request):
+        return await srv.kv_continue(http, await _json_object(http))
+
+    @app.post("/v1/kv/cancel")
+    async def kv_cancel(http: Request):
+        return await srv.kv_cancel(await _json_object(http))
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         return await run_in_threadpool(tok.tokenize, body)
@@ -226,6 +238,17 @@ class DrainingServer:
 
     def run(self) -> None:
         self.server.run()
+
+
+async def _json_object(http: Request) -> dict:
+    """The body as a JSON object (an APIError 400 otherwise)."""
+    try:
+        raw = await http.json()
+    except ValueError:
+        raw = None
+    if not isinstance(raw, dict):
+        raise APIError(400, "body: a JSON object expected", "body")
+    return raw
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,6 +78,9 @@ class SamplingFields(StrictModel):
     tools: Any = None  # chat: checked by the server (tool definitions); completions: a 400
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # prefill / decode disaggregation (vLLM's field; docs/design.md §4.20): on a prefill instance,
+    # {"targets": [a KV target per sequence]} from the decode instance's /v1/kv/reserve
+    kv_transfer_params: dict | None = None
     # accepted only to say clearly that they are not supported (OpenAI's deprecated form)
     functions: Any = None
     function_call: Any = None

@@ -13,9 +13,11 @@ from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError, ServerDrainingError
+from fastdeploy.engine.kv_handoff import KVTarget
 from fastdeploy.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -25,6 +27,7 @@ from fastdeploy.entrypoints.openai.protocol import (
 )
 from fastdeploy.entrypoints.openai.request_mapping import RequestMapper
 from fastdeploy.entrypoints.openai.response import Delta, ResponseFormatter
+from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.request import Request as EngineRequest
 from fastdeploy.request import RequestOutput
 
@@ -51,6 +54,8 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
+        self.reserved: dict[str, tuple] = {}  # a decode instance's: handle -> (path, body, sequences, when)
+        self.kv_timeout = engine.engine.config.kv_transfer_config.kv_timeout
 
     def _submit(self, reqs: list[list[EngineRequest]]) -> list[tuple[EngineRequest, asyncio.Queue]]:
         flat, queued = [r for row in reqs for r in row], []
@@ -166,10 +171,133 @@ class OpenAIServer:
 
     async def completions(self, http: Request, body: CompletionRequest):
         rid = f"cmpl-{uuid.uuid4().hex}"
-        queued = self._submit(await run_in_threadpool(self.mapping.prepare_completion, body, rid))
+        reqs = await run_in_threadpool(self.mapping.prepare_completion, body, rid)
+        if body.kv_transfer_params is not None:
+            return await self.prefill_for_remote(http, reqs, body)
+        queued = self._submit(reqs)
         return await self.respond(http, queued, body, self._formatter(rid, queued, body, False, body.logprobs or 0))
 
     async def chat(self, http: Request, body: ChatCompletionRequest):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        queued = self._submit(await run_in_threadpool(self.mapping.prepare_chat, body, rid))
+        reqs = await run_in_threadpool(self.mapping.prepare_chat, body, rid)
+        if body.kv_transfer_params is not None:
+            return await self.prefill_for_remote(http, reqs, body)
+        queued = self._submit(reqs)
         return await self.respond(http, queued, body, self._formatter(rid, queued, body, True, body.top_logprobs or 0))
+
+    # ------------------------------------------------------------ prefill / decode disaggregation
+
+    async def prefill_for_remote(self, http: Request, reqs: list[list[EngineRequest]], body):
+        """A prefill instance (docs/design.md §4.20): each sequence's prompt computed, its first
+        token drawn, and its prompt's KV pushed to the decode instance's target before its blocks
+        are freed; returns each first token (id, logprob, top logprobs) for the decode's
+        /v1/kv/continue."""
+        flat = [r for row in reqs for r in row]
+        targets = body.kv_transfer_params.get("targets")
+        if not isinstance(targets, list) or len(targets) != len(flat):
+            raise APIError(400, f"kv_transfer_params.targets: {len(flat)} KV targets expected", "kv_transfer_params")
+        for r, t in zip(flat, targets, strict=True):
+            try:
+                r.kv_target = KVTarget.from_json(t) if isinstance(t, dict) else KVTarget.from_json({})
+            except ValueError as e:
+                raise APIError(400, str(e), "kv_transfer_params") from None
+            if r.sampling_params.max_tokens != 1:
+                raise APIError(400, "max_tokens: a remote prefill draws the first token only (1)", "max_tokens")
+        queued = self._submit([flat])
+        firsts = []
+        for r, q in queued:
+            outs = [o async for o in self.engine.stream(r.request_id, q)]
+            out = outs[-1] if outs else None
+            if out is None or out.error is not None:
+                why = out.error if out is not None else "no output"
+                raise APIError(500, f"the remote prefill failed: {why}", None, "internal_server_error")
+            c = out.outputs[0]
+            top = c.logprobs[0] if c.logprobs else None
+            tok = c.token_ids[0]
+            lp = top.get(tok, 0.0) if top else 0.0
+            firsts.append({"token_id": tok, "logprob": lp, "top_logprobs": top, "cached_tokens": out.num_cached_tokens})
+        return JSONResponse({"first_tokens": [_json_first(f) for f in firsts]})
+
+    async def kv_reserve(self, raw: dict) -> JSONResponse:
+        """A decode instance: the body a client sent (``path`` completions or chat) made into its
+        sequences, each one's blocks reserved (a KV target each; the prefill instance fills them),
+        kept under a handle for ``kv_continue``."""
+        path, body = raw.get("path"), raw.get("body")
+        if path not in ("completions", "chat") or not isinstance(body, dict):
+            raise APIError(400, "kv reserve: {'path': 'completions' | 'chat', 'body': {...}} expected", "path")
+        model = CompletionRequest if path == "completions" else ChatCompletionRequest
+        try:
+            parsed = model.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"])
+            raise APIError(400, f"{field}: {err['msg']}", field) from None
+        rid = f"{'cmpl' if path == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        prepare = self.mapping.prepare_completion if path == "completions" else self.mapping.prepare_chat
+        flat = [r for row in await run_in_threadpool(prepare, parsed, rid) for r in row]
+        targets = []
+        try:
+            for r in flat:
+                targets.append(await run_in_threadpool(self.engine.call, lambda e, r=r: e.reserve(r)))
+        except (EngineDeadError, ServerDrainingError) as e:
+            self._cancel(flat)
+            raise APIError(503, str(e), None, "service_unavailable") from None
+        except ValueError as e:
+            self._cancel(flat)
+            raise APIError(503 if "no KV blocks free" in str(e) else 400, str(e), "kv_transfer_params") from None
+        now = time.monotonic()
+        for h in [h for h, e in self.reserved.items() if now - e[3] > self.kv_timeout]:  # freed by the engine
+            del self.reserved[h]
+        self.reserved[rid] = (path, parsed, flat, now)
+        return JSONResponse({"handle": rid, "targets": [t.to_json() for t in targets]})
+
+    async def kv_continue(self, http: Request, raw: dict):
+        """A decode instance: the reserved sequences of ``handle`` take their first tokens and run
+        on; the response is the one the client's body asks for (streamed or whole)."""
+        entry = self.reserved.pop(str(raw.get("handle")), None)
+        if entry is None:
+            raise APIError(404, "handle: no reservation of that handle (expired or continued)", "handle")
+        path, body, flat, since = entry
+        if time.monotonic() - since > self.kv_timeout:
+            self._cancel(flat)
+            raise APIError(408, f"handle: the reservation expired (kv_timeout {self.kv_timeout:g} s)", "handle")
+        firsts = raw.get("first_tokens")
+        if not isinstance(firsts, list) or len(firsts) != len(flat):
+            self._cancel(flat)
+            raise APIError(400, f"first_tokens: {len(flat)} expected", "first_tokens")
+        try:
+            samples = [_sample(f) for f in firsts]
+        except (KeyError, TypeError, ValueError) as e:
+            self._cancel(flat)
+            raise APIError(400, f"first_tokens: malformed ({e})", "first_tokens") from None
+        try:
+            queued = [(r, self.engine.add_committed(r, *f)) for r, f in zip(flat, samples, strict=True)]
+        except EngineDeadError as e:
+            raise APIError(503, str(e), None, "service_unavailable") from None
+        chat = path == "chat"
+        top_n = (body.top_logprobs if chat else body.logprobs) or 0
+        rid = flat[0].request_id.rsplit("-", 2)[0]  # the handle: the API call's id
+        return await self.respond(http, queued, body, self._formatter(rid, queued, body, chat, top_n))
+
+    async def kv_cancel(self, raw: dict) -> JSONResponse:
+        """A decode instance: give a reservation's blocks back (its prefill failed)."""
+        entry = self.reserved.pop(str(raw.get("handle")), None)
+        if entry is not None:
+            self._cancel(entry[2])
+        return JSONResponse({"cancelled": entry is not None})
+
+    def _cancel(self, reqs: list[EngineRequest]) -> None:
+        for r in reqs:
+            self.engine.abort(r.request_id)
+
+
+def _sample(f: dict) -> tuple[SampleResult, int]:
+    """A prefill instance's first token: the sample, and the prompt tokens its prefix cache held."""
+    top = f.get("top_logprobs")
+    top = {int(k): float(v) for k, v in top.items()} if top is not None else None
+    return SampleResult(int(f["token_id"]), float(f.get("logprob", 0.0)), top), int(f.get("cached_tokens", 0))
+
+
+def _json_first(f: dict) -> dict:
+    top = f["top_logprobs"]
+    return {**f, "top_logprobs": {str(k): v for k, v in top.items()} if top is not None else None}
