@@ -180,6 +180,47 @@ def test_what_the_handoff_does_not_cover_yet_is_refused(kw, what):
         EngineArgs(**KW, **kw, kv_transfer_config='{"kv_connector": "MooncakeConnector"}').create_config()
 
 
+TP_RUN = """
+import json, sys
+from fastdeploy import LLM, SamplingParams
+from fastdeploy.model_executor.layers.sampler import SampleResult
+kw, ids = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+cfg = '{"kv_connector": "MooncakeConnector", "kv_role": "%s"}'
+pre = LLM(**kw, tensor_parallel_size=2, kv_transfer_config=cfg % "kv_producer").engine
+dec = LLM(**kw, kv_transfer_config=cfg % "kv_consumer").engine
+sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+d = dec.make_request(ids, sp, "d")
+target = dec.reserve(d)
+p = pre.make_request(ids, SamplingParams(max_tokens=1, temperature=0), "p")
+p.kv_target = target
+pre.enqueue(p)
+while pre.has_unfinished_requests():
+    pre.step()
+dec.commit("d", SampleResult(p.output_token_ids[0], 0.0, None))
+while dec.has_unfinished_requests():
+    dec.step()
+print("RESULT " + json.dumps(d.output_token_ids))
+pre.shutdown()
+"""
+
+
+def test_a_tp2_prefill_instance_feeds_a_tp1_decode_instance(rng):
+    """Tensor parallelism on the prefill side: MLA's latent cache is whole on every rank, so the
+    driver alone pushes; the TP 1 decode engine's tokens equal one engine's."""
+    import json
+    import subprocess
+    import sys
+
+    ids = [int(x) for x in rng.integers(2, 500, 3 * W + 11)]
+    want = generate(LLM(**KW).engine, ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), "o")
+    p = subprocess.run(
+        [sys.executable, "-c", TP_RUN, json.dumps(KW), json.dumps(ids)], capture_output=True, text=True, timeout=300
+    )
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and line, p.stderr[-3000:]
+    assert json.loads(line[0][len("RESULT ") :]) == want.output_token_ids
+
+
 def test_a_transport_reports_a_write_that_outlasts_its_timeout():
     """write_all's timeout: a transport whose write never finishes raises TransferError."""
     from fastdeploy.kv_transfer.transport import Transport

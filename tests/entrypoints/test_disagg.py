@@ -112,8 +112,9 @@ def test_through_the_proxy_streams_samples_and_chats_are_one_servers(pd):
 
 def test_faults_free_every_block_and_both_instances_serve_on(pd, rng):
     """A prefill instance that is unreachable (502), a reservation never continued (freed after
-    kv_timeout, then a 408), malformed first tokens and malformed targets (400s): each an
-    OpenAI-shaped error, every block free on both sides, and the next request served."""
+    kv_timeout, then a 408), malformed first tokens and malformed targets (400s), a client that
+    leaves a stream through the proxy: each an OpenAI-shaped error (or an abort), every block free
+    on both sides, and the next request served."""
     one, pre, dec, proxy = pd
     prompt = [int(x) for x in rng.integers(2, 500, 80)]
     body = {"model": "tiny-mla-swa", "prompt": prompt, "max_tokens": 4, "temperature": 0}
@@ -139,6 +140,12 @@ def test_faults_free_every_block_and_both_instances_serve_on(pd, rng):
     assert r.status_code == 400 and "not a KV target" in r.json()["error"]["message"]
     r = post(dec.base, "kv/reserve", {"path": "completions", "body": {**body, "max_tokens": -1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    all_free(pre, dec)
+    stream = {**body, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", proxy.base + "/v1/completions", json=stream, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 4:
+                break  # the client goes away mid-generation: the decode instance aborts
     all_free(pre, dec)
     ok = post(proxy.base, "completions", body).json()
     assert ok["choices"][0]["text"] == post(one.base, "completions", body).json()["choices"][0]["text"]
