@@ -658,10 +658,6 @@ class FDConfig:
         if self.kv_transfer_config.kv_connector is not None:  # docs/design.md §4.20: what is not built yet
             for bad, what in (
                 (pc.data_parallel_size > 1, "data_parallel_size > 1"),
-                (
-                    pc.tensor_parallel_size > 1 and self.kv_transfer_config.kv_role != "kv_producer",
-                    "tensor_parallel_size > 1 on a decode instance (every rank's cache would need the blocks)",
-                ),
                 (self.speculative_config.k > 0, "speculative_config (the MTP draft needs the prefill's hidden state)"),
             ):
                 if bad:

@@ -179,6 +179,17 @@ class TPGroup:
             dist.broadcast(x, src=self.src, group=self.group)
         return x
 
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's obj (picklable), in rank order, on every rank (over the CPU group)."""
+        if self.world_size == 1:
+            return [obj]
+        import paddle.distributed as dist
+
+        out: list = []
+        with self.activity.collective():
+            dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """The driver's obj on every rank (pickled through two broadcasts: length, then bytes)."""
         if self.world_size == 1:

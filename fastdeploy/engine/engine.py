@@ -203,7 +203,7 @@ class LLMEngine(RequestMaker):
         self.in_flight: Launched | None = None  # the step launched last, not yet taken (overlapped loop)
         self.kv: KVHandoff | None = None  # prefill / decode disaggregation (docs/design.md §4.20)
         if self.config.kv_transfer_config.kv_connector is not None:
-            self.kv = KVHandoff(self.config, self.runner.kv_regions())
+            self.kv = KVHandoff(self.config, self.runner.kv_transport, self.runner.kv_peers)
         self.parked: dict[str, Request] = {}  # reserved for a prefill instance's KV, not yet committed
 
     def _rank_failed(self, why: str) -> None:

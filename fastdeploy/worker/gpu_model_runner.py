@@ -19,6 +19,7 @@ import paddle
 from fastdeploy.config import FDConfig
 from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.input.grammar import token_bitmask
+from fastdeploy.kv_transfer.transport import Transport, make_transport
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.layers.attention.base_backend import IndexedCache
 from fastdeploy.model_executor.layers.device_sampler import DeviceSampler, Drawn
@@ -99,6 +100,15 @@ class GPUModelRunner:
         self.kv_specs = layer_kv_specs(mc, fd_config.cache_config)
         self.num_blocks = self.tp.broadcast_object(num_blocks_for(fd_config, self.kv_specs))  # the same on every rank
         self.caches = self.allocate_caches(self.num_blocks)
+        self.kv_transport: Transport | None = None  # prefill / decode disaggregation (docs/design.md §4.20)
+        self.kv_peers: list[tuple[str, list]] = []  # every rank's (transport session, cache regions)
+        kc = fd_config.kv_transfer_config
+        if kc.kv_connector is not None:  # every rank's caches registered: a decode rank receives blocks too
+            self.kv_transport = make_transport(kc.kv_connector, kc.kv_ip)
+            regions = self.kv_regions()
+            for _, addr, per_block, blocks in regions:
+                self.kv_transport.register(addr, per_block * blocks)
+            self.kv_peers = self.tp.all_gather_object((self.kv_transport.session, regions))
         self.mask_pool = ThreadPoolExecutor(1, thread_name_prefix="fastdeploy-mask")
         self.sampler = DeviceSampler(
             mc.vocab_size, fd_config.scheduler_config.max_num_seqs, fd_config.kernel_config.triton

@@ -42,7 +42,7 @@ def handoff(pre, dec, ids, sp, rid):
     generate_enqueued(pre, preq)
     assert preq.error is None, preq.error
     tok, top = preq.output_token_ids[0], (preq.output_logprobs or [None])[0]
-    dec.commit(rid, SampleResult(tok, top[tok] if top else 0.0, top))
+    dec.commit(rid, SampleResult(tok, top[tok] if top else 0.0, top), preq.num_cached_tokens)
     while dec.has_unfinished_requests():
         dec.step()
     return dreq, target, pre.kv.bytes_sent - before
@@ -103,7 +103,8 @@ def test_prefix_hits_on_the_decode_side_are_not_sent(rng):
     turn2 = turn1 + got.output_token_ids + [int(x) for x in rng.integers(2, 500, 30)]
     got, target, _ = handoff(pre, dec, turn2, sp, "d1")
     assert got.output_token_ids == generate(one, turn2, sp, "o1").output_token_ids
-    assert min(j for j, _ in target.fill["full"]) == held and got.num_cached_tokens == len(turn2)
+    assert min(j for j, _ in target.fill["full"]) == held
+    assert got.num_cached_tokens == (len(turn1) // BS) * BS  # usage: what the prefill's own cache held
     other = turn1[: 3 * BS] + [int(x) for x in rng.integers(2, 500, 40)]
     got, target, _ = handoff(pre, dec, other, sp, "d2")
     assert got.output_token_ids == generate(one, other, sp, "o2").output_token_ids
@@ -169,25 +170,23 @@ def test_kv_transfer_config_errors_name_the_key(text, msg):
         KVTransferConfig.parse(text)
 
 
-@pytest.mark.parametrize(
-    "kw, what",
-    [({"tensor_parallel_size": 2}, "tensor_parallel_size"), ({"data_parallel_size": 2}, "data_parallel_size")],
-)
-def test_what_the_handoff_does_not_cover_yet_is_refused(kw, what):
+def test_what_the_handoff_does_not_cover_yet_is_refused():
     from fastdeploy.engine.args import EngineArgs
 
-    with pytest.raises(ValueError, match=f"kv_transfer_config: not with {what}"):
-        EngineArgs(**KW, **kw, kv_transfer_config='{"kv_connector": "MooncakeConnector"}').create_config()
+    with pytest.raises(ValueError, match="kv_transfer_config: not with data_parallel_size"):
+        EngineArgs(
+            **KW, data_parallel_size=2, kv_transfer_config='{"kv_connector": "MooncakeConnector"}'
+        ).create_config()
 
 
 TP_RUN = """
 import json, sys
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.layers.sampler import SampleResult
-kw, ids = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+kw, ids, tps = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 cfg = '{"kv_connector": "MooncakeConnector", "kv_role": "%s"}'
-pre = LLM(**kw, tensor_parallel_size=2, kv_transfer_config=cfg % "kv_producer").engine
-dec = LLM(**kw, kv_transfer_config=cfg % "kv_consumer").engine
+pre = LLM(**kw, tensor_parallel_size=tps[0], kv_transfer_config=cfg % "kv_producer").engine
+dec = LLM(**kw, tensor_parallel_size=tps[1], kv_transfer_config=cfg % "kv_consumer").engine
 sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 d = dec.make_request(ids, sp, "d")
 target = dec.reserve(d)
@@ -199,14 +198,17 @@ while pre.has_unfinished_requests():
 dec.commit("d", SampleResult(p.output_token_ids[0], 0.0, None))
 while dec.has_unfinished_requests():
     dec.step()
-print("RESULT " + json.dumps(d.output_token_ids))
+print("RESULT " + json.dumps([d.output_token_ids, p.kv_target is not None and len(target.more)]))
 pre.shutdown()
+dec.shutdown()
 """
 
 
-def test_a_tp2_prefill_instance_feeds_a_tp1_decode_instance(rng):
-    """Tensor parallelism on the prefill side: MLA's latent cache is whole on every rank, so the
-    driver alone pushes; the TP 1 decode engine's tokens equal one engine's."""
+@pytest.mark.parametrize("tps", [(2, 1), (1, 2)], ids=["prefill-tp2", "decode-tp2"])
+def test_instances_of_different_tensor_parallel_sizes_hand_off(tps, rng):
+    """MLA's latent cache is whole on every tensor-parallel rank: a TP 2 prefill instance's
+    driver alone pushes; a TP 2 decode instance's target names both ranks' caches and each gets
+    the blocks. The decode engine's tokens equal one engine's."""
     import json
     import subprocess
     import sys
@@ -214,11 +216,15 @@ def test_a_tp2_prefill_instance_feeds_a_tp1_decode_instance(rng):
     ids = [int(x) for x in rng.integers(2, 500, 3 * W + 11)]
     want = generate(LLM(**KW).engine, ids, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), "o")
     p = subprocess.run(
-        [sys.executable, "-c", TP_RUN, json.dumps(KW), json.dumps(ids)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", TP_RUN, json.dumps(KW), json.dumps(ids), json.dumps(tps)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     assert p.returncode == 0 and line, p.stderr[-3000:]
-    assert json.loads(line[0][len("RESULT ") :]) == want.output_token_ids
+    tokens, more = json.loads(line[0][len("RESULT ") :])
+    assert tokens == want.output_token_ids and more == tps[1] - 1
 
 
 def test_a_transport_reports_a_write_that_outlasts_its_timeout():
