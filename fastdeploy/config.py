@@ -457,6 +457,19 @@ class SchedulerConfig:
 SPEC_METHODS = ("mtp", "deepseek_mtp")  # FastDeploy's name, vLLM's
 
 
+def json_object(text: str | dict, name: str) -> dict:
+    """A setting's JSON object (a dict passes as is); ValueError naming ``name`` otherwise."""
+    raw = text
+    if isinstance(text, str):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name}: must be a JSON object, got {raw!r}")
+    return raw
+
+
 @dataclass
 class SpeculativeConfig:
     """``--speculative-config`` (docs/design.md §4.16): ``method`` "mtp" drafts with the
@@ -487,14 +500,7 @@ class SpeculativeConfig:
         """The flag's JSON object (or a dict): ``{"method": "mtp", "num_speculative_tokens": k}``."""
         if text is None or text == "":
             return cls()
-        raw = text
-        if isinstance(text, str):
-            try:
-                raw = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not JSON ({e.msg} at character {e.pos})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"speculative_config: must be a JSON object, got {raw!r}")
+        raw = json_object(text, "speculative_config")
         unknown = sorted(set(raw) - {"method", "num_speculative_tokens"})
         if unknown:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (method, num_speculative_tokens)")
@@ -534,12 +540,7 @@ class KVTransferConfig:
         """The JSON object of ``--kv-transfer-config`` (None: no transfer); ValueError naming a bad key."""
         if text is None:
             return cls()
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config: not JSON ({e.msg} at character {e.pos})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"kv_transfer_config: must be a JSON object, got {raw!r}")
+        raw = json_object(text, "kv_transfer_config")
         unknown = sorted(set(raw) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"kv_transfer_config: unknown key {unknown[0]!r}")

@@ -12,9 +12,11 @@ import time
 import httpx
 import numpy as np
 import pytest
-from live_server import ServerProcess, free_port, wait_idle
+from live_server import free_port, wait_idle
 
 from fastdeploy.engine.dp_router import Router
+
+FLAGS = ("--block-size", "16", "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--log-level", "warning")
 
 KW = dict(model="tiny-mla-swa", block_size=16, num_gpu_blocks_override=64, max_model_len=256)
 W = 32  # the tiny preset's sliding window
@@ -138,17 +140,6 @@ def test_the_router_forgets_the_oldest_blocks_past_its_capacity():
     assert r.choose(list(range(12))) == 1  # its 2 leading blocks are known again
 
 
-FLAGS = ("--block-size", "16", "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--log-level", "warning")
-
-
-@pytest.fixture
-def procs():
-    made = []
-    yield lambda *a: made.append(ServerProcess(*FLAGS, *a)) or made[-1]
-    for p in made:
-        p.close()
-
-
 def labelled(base: str, name: str) -> dict[str, float]:
     """``fastdeploy:NAME`` by dp_rank (summed over other labels)."""
     out: dict[str, float] = {}
@@ -257,7 +248,15 @@ def test_under_paddles_launcher_rank_0_serves_and_the_other_core_connects(tmp_pa
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     want = [o.outputs[0].text for o in LLM(**KW).generate([{"prompt_token_ids": p} for p in prompts], sp)]
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--log_dir", str(tmp_path), "--nproc_per_node", "2"]
-    cmd += [api_server.__file__, *FLAGS, "--port", str(port), "--data-parallel-size", "2", "--enable-expert-parallel"]
+    cmd += [
+        api_server.__file__,
+        *FLAGS,
+        "--port",
+        str(port),
+        "--data-parallel-size",
+        "2",
+        "--enable-expert-parallel",
+    ]
     env = {**os.environ, "FD_DP_AUTHKEY": "test-key"}
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     base = f"http://127.0.0.1:{port}"

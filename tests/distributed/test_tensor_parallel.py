@@ -12,7 +12,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from live_server import ServerProcess
 
 from fastdeploy import LLM
 from fastdeploy.config import FDConfig, ModelConfig
@@ -168,17 +167,6 @@ def test_indivisible_config_is_named():
 
 
 # ---------------------------------------------------------------- the server
-
-
-FLAGS = ("--block-size", "16", "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--log-level", "warning")
-
-
-@pytest.fixture
-def procs():
-    made = []
-    yield lambda *a: made.append(ServerProcess(*FLAGS, *a)) or made[-1]
-    for p in made:
-        p.close()
 
 
 def metrics_of(base: str) -> dict[str, float]:
