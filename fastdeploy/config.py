@@ -656,13 +656,8 @@ class FDConfig:
                 f"config key 'n_routed_experts'={mc.n_routed_experts} does not divide over the "
                 f"{pc.expert_parallel_size} expert-parallel ranks (data_parallel_size x tensor_parallel_size)"
             )
-        if self.kv_transfer_config.kv_connector is not None:  # docs/design.md §4.20: what is not built yet
-            for bad, what in (
-                (pc.data_parallel_size > 1, "data_parallel_size > 1"),
-                (self.speculative_config.k > 0, "speculative_config (the MTP draft needs the prefill's hidden state)"),
-            ):
-                if bad:
-                    raise ValueError(f"kv_transfer_config: not with {what}; not built yet")
+        if self.kv_transfer_config.kv_connector is not None and pc.data_parallel_size > 1:
+            raise ValueError("kv_transfer_config: not with data_parallel_size > 1; not built yet")  # design.md §4.20
         if pc.lockstep:  # every core runs one forward a loop turn (docs/design.md §4.19)
             if self.speculative_config.k:
                 raise ValueError(

@@ -124,7 +124,8 @@ class MTPProposer:
                     depth.append(d)
                     drafting.append(req)
             row += n
-        return DraftStep(next_ids, rows, batch, pos, depth), drafting
+        write = any(req.kv_target is not None for req, _ in scheduled)  # a prompt whose KV another instance gets
+        return DraftStep(next_ids, rows, batch, pos, depth, write), drafting
 
     def draft(self, msg: DraftStep, cache: paddle.Tensor, builder: ForwardMetaBuilder) -> np.ndarray:
         """Every rank: the draft model over the latest step (its meta and the target's hidden
@@ -135,10 +136,12 @@ class MTPProposer:
         come back in one copy at the end. Arg-max drafts int64 [D, k], -1 past a request's depth."""
         step, meta, hidden = self.last_step
         out = np.full((len(msg.rows), self.k), -1, np.int64)
-        if not msg.rows:
+        if not msg.rows and not msg.write_cache:
             return out
         pad = [0] * (hidden.shape[0] - len(msg.next_ids))  # a captured step's padding rows (null blocks)
         x = self.model(paddle.to_tensor(msg.next_ids + pad, dtype="int64"), hidden, meta, cache)
+        if not msg.rows:  # the cache written, nothing to draft
+            return out
         rows = paddle.to_tensor(msg.rows, dtype="int64")
         drafts = paddle.argmax(self.model.compute_logits(x, rows), axis=1)
         x, live = x[rows], list(range(len(rows)))

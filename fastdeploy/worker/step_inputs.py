@@ -61,13 +61,16 @@ class StepInputs:
 class DraftStep:
     """The draft pass over the latest step (``MTPProposer.draft``): ``next_ids`` the token after
     each of its rows (0 where not known); per drafting request its row, batch index, the row's
-    position and how many drafts it takes."""
+    position and how many drafts it takes. ``write_cache``: run the draft model over the step
+    even when no request drafts, for the MTP layer's cache of its rows (a prefill instance's
+    prompts, whose KV a decode instance drafts from; docs/design.md §4.20)."""
 
     next_ids: list[int]
     rows: list[int]
     batch: list[int]
     pos: list[int]
     depth: list[int]
+    write_cache: bool = False
 
 
 def build_step_inputs(

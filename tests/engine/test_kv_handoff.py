@@ -170,6 +170,27 @@ def test_kv_transfer_config_errors_name_the_key(text, msg):
         KVTransferConfig.parse(text)
 
 
+def test_mtp_drafts_on_the_decode_instance_read_the_prompt_from_the_prefill(mtp_model_dir, rng):
+    """With speculation on both instances (k = 2): the prefill instance runs the MTP layer over
+    every prompt chunk (its cache is pushed with the rest), so the decode instance's drafts see
+    the prompt: its tokens are one speculating engine's, and so are its accepted drafts but for
+    the first verify step (the decode instance's first step has no drafts)."""
+    kw = dict(model=mtp_model_dir, speculative_config='{"method": "mtp", "num_speculative_tokens": 2}')
+    kw["max_num_batched_tokens"] = 64
+    one = LLM(**{**KW, **kw}).engine
+    pre, dec = engines("MooncakeConnector", **kw)
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ids = [int(x) for x in rng.integers(2, 500, 2 * W + 40)]
+    want = generate(one, ids, sp, "o")
+    got, target, _ = handoff(pre, dec, ids, sp, "d")
+    assert got.output_token_ids == want.output_token_ids
+    assert {g for g, _, _, _ in target.regions} >= {"full", "swa"} and len(target.regions) == len(
+        one.runner.kv_regions()
+    )
+    assert one.spec.num_accepted_tokens - dec.spec.num_accepted_tokens <= 2
+    assert dec.spec.num_accepted_tokens > 0
+
+
 def test_what_the_handoff_does_not_cover_yet_is_refused():
     from fastdeploy.engine.args import EngineArgs
 
