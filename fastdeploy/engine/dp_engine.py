@@ -49,6 +49,10 @@ def create_engine(args: EngineArgs) -> LLMEngine | DPEngine:
 
 
 class DPEngine(RequestMaker):
+    """The engine interface over ``data_parallel_size`` engine-core processes it starts, feeds
+    and watches: ``make_request`` / ``enqueue`` / ``abort_request`` / ``step`` /
+    ``has_unfinished_requests``, the listeners, ``rank_stats`` and ``shutdown``."""
+
     def __init__(self, args: EngineArgs) -> None:
         self.config = args.create_config()
         mc, sc, pc = self.config.model_config, self.config.scheduler_config, self.config.parallel_config
