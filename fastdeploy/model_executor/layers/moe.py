@@ -161,13 +161,14 @@ class DeepseekV3MoE(nn.Layer):
         ids, w = self.gate(x)
         scales = [getattr(self, n + "_scale_inv") for n in ("w1", "w3", "w2")] if self.fp8 else []
         lo, weights = self.expert_range[0], (self.w1, self.w3, self.w2, *scales)
-        shared = self.shared_experts(x).astype("float32") if self.shared_experts is not None else None
         if self.dispatch is None:  # this rank's experts' part of every token: summed over TP
             out = self.routed(x, ids - lo, w, *weights)
-            return self.tp.all_reduce(out if shared is None else out + shared).astype(x.dtype)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(x).astype("float32")
+            return self.tp.all_reduce(out).astype(x.dtype)
         out = self.expert_parallel(x, ids, w, weights)  # whole sums of this rank's tokens
-        if shared is not None:
-            out = out + self.tp.all_reduce(shared)
+        if self.shared_experts is not None:
+            out = out + self.tp.all_reduce(self.shared_experts(x).astype("float32"))
         return out.astype(x.dtype)
 
     def expert_parallel(self, x: paddle.Tensor, ids: paddle.Tensor, w: paddle.Tensor, weights: tuple) -> paddle.Tensor:
