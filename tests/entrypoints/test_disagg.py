@@ -150,3 +150,41 @@ def test_faults_free_every_block_and_both_instances_serve_on(pd, rng):
     ok = post(proxy.base, "completions", body).json()
     assert ok["choices"][0]["text"] == post(one.base, "completions", body).json()["choices"][0]["text"]
     all_free(pre, dec)
+
+
+def test_the_proxys_own_endpoints_and_what_it_refuses(pd):
+    """/health and /v1/models through the proxy; a body that is not a JSON object, an unreachable
+    decode instance (502, and /health 503), a prefill body with the wrong number of targets or
+    more than one token (400s); min_tokens kept for the first token."""
+    one, pre, dec, proxy = pd
+    assert httpx.get(proxy.base + "/health").status_code == 200
+    assert httpx.get(proxy.base + "/v1/models").json()["data"][0]["id"] == "tiny-mla-swa"
+    r = httpx.post(proxy.base + "/v1/completions", content=b"[1]", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    body = {"model": "tiny-mla-swa", "prompt": "A tale of two cities " * 5, "max_tokens": 6, "temperature": 0}
+    no_decode = Proxy(pre.base, "http://127.0.0.1:9", timeout=5)
+    try:
+        assert httpx.get(no_decode.base + "/health").status_code == 503
+        assert httpx.get(no_decode.base + "/v1/models").status_code == 502
+        r = post(no_decode.base, "completions", body)
+        assert r.status_code == 502 and "decode instance" in r.json()["error"]["message"]
+    finally:
+        no_decode.close()
+    r = post(pre.base, "completions", {**body, "max_tokens": 1, "kv_transfer_params": {"targets": []}})
+    assert r.status_code == 400 and "1 KV targets expected" in r.json()["error"]["message"]
+    res = post(dec.base, "kv/reserve", {"path": "completions", "body": body}).json()
+    r = post(pre.base, "completions", {**body, "max_tokens": 2, "kv_transfer_params": {"targets": res["targets"]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert post(dec.base, "kv/cancel", {"handle": res["handle"]}).json() == {"cancelled": True}
+    assert post(dec.base, "kv/cancel", {"handle": res["handle"]}).json() == {"cancelled": False}
+    res = post(dec.base, "kv/reserve", {"path": "completions", "body": body}).json()
+    r = post(dec.base, "kv/continue", {"handle": res["handle"], "first_tokens": []})
+    assert r.status_code == 400 and "1 expected" in r.json()["error"]["message"]
+    r = post(dec.base, "kv/reserve", {"path": "embeddings", "body": body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path"
+    r = httpx.post(dec.base + "/v1/kv/reserve", content=b"1", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    held = {**body, "min_tokens": 3, "stop_token_ids": list(range(500))}
+    got, want = post(proxy.base, "completions", held).json(), post(one.base, "completions", held).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"] and got["usage"] == want["usage"]
+    all_free(pre, dec)
