@@ -141,20 +141,26 @@ class AsyncLLMEngine:
     def call(self, fn: Callable):
         """``fn(engine)`` run on the engine thread, between steps; its result, or what it raised
         (any thread but the engine's; EngineDeadError once the engine is gone)."""
+        return self._post(fn).result()
+
+    def _post(self, fn: Callable, stream: tuple[str, asyncio.Queue] | None = None) -> Future:
+        """Queue ``fn(engine)`` for the engine thread (with ``stream``: that request's outputs
+        go to that queue); its future. EngineDeadError once the engine is gone."""
         done: Future = Future()
         with self.lock:
             if not self.healthy:
                 raise EngineDeadError(f"the engine stopped: {self.error!r}")
+            if stream is not None:
+                self.streams[stream[0]] = (asyncio.get_running_loop(), stream[1])
             self.pending_calls.append((fn, done))
             self.wake.notify()
-        return done.result()
+        return done
 
     def add_committed(self, req: Request, first, cached_tokens: int = 0) -> asyncio.Queue:
         """A request ``reserve``d on this (decode) instance whose prompt's KV has arrived with its
         first token ``first`` (a SampleResult; ``LLMEngine.commit``): it runs on; its outputs on
         the queue, as ``add``'s."""
         q: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
 
         def commit(engine) -> None:
             try:
@@ -163,12 +169,7 @@ class AsyncLLMEngine:
                 out = ValueError(f"kv_transfer_params: request {req.request_id} is not reserved here (expired?)")
             self._deliver(out, req.request_id)
 
-        with self.lock:
-            if not self.healthy:
-                raise EngineDeadError(f"the engine stopped: {self.error!r}")
-            self.streams[req.request_id] = (loop, q)
-            self.pending_calls.append((commit, Future()))
-            self.wake.notify()
+        self._post(commit, (req.request_id, q))
         return q
 
     def _take_pending(self) -> tuple[list[Request], list[tuple[str, BaseException | None]], list]:

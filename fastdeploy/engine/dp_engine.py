@@ -32,8 +32,6 @@ from fastdeploy.engine.dp_core import authkey, front_address
 from fastdeploy.engine.dp_messages import CoreRequest
 from fastdeploy.engine.dp_router import Router
 from fastdeploy.engine.engine import LLMEngine, RequestMaker, exit_on_rank_failure
-from fastdeploy.input.grammar import GrammarEngine
-from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.request import Request, RequestOutput, RequestStatus
 from fastdeploy.worker.kv_sizing import on_gpu
 from fastdeploy.worker.tp_worker import encode_config
@@ -54,11 +52,8 @@ class DPEngine(RequestMaker):
     ``has_unfinished_requests``, the listeners, ``rank_stats`` and ``shutdown``."""
 
     def __init__(self, args: EngineArgs) -> None:
-        self.config = args.create_config()
-        mc, sc, pc = self.config.model_config, self.config.scheduler_config, self.config.parallel_config
-        self.tokenizer = Tokenizer(mc.model_dir)
-        self.grammar = GrammarEngine(self.tokenizer, mc.vocab_size)
-        self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
+        super().__init__(args.create_config())
+        sc, pc = self.config.scheduler_config, self.config.parallel_config
         self.fatal_listeners: list = []  # callables(exception) when a core fails
         self.step_listeners: list = []  # callables(request, now) for each request's new tokens
         self.finish_listeners: list = []  # callables(request_id, reason) for aborted or failed requests

@@ -97,13 +97,15 @@ class Launched:
 
 class RequestMaker:
     """Requests made from prompts, checked against the model: what the engine and the
-    data-parallel front (which holds no model) share. Needs ``config``, ``tokenizer``,
-    ``grammar`` and ``eos_token_ids``."""
+    data-parallel front (which holds no model) share: the config, the tokenizer, the grammar
+    engine and the end-of-sequence ids."""
 
-    config: FDConfig
-    tokenizer: Tokenizer
-    grammar: GrammarEngine
-    eos_token_ids: list[int]
+    def __init__(self, config: FDConfig) -> None:
+        mc = config.model_config
+        self.config = config
+        self.tokenizer = Tokenizer(mc.model_dir)
+        self.grammar = GrammarEngine(self.tokenizer, mc.vocab_size)
+        self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
 
     def make_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, param: str = "prompt"
@@ -152,11 +154,8 @@ class LLMEngine(RequestMaker):
     def __init__(self, args: EngineArgs | FDConfig, activity: Activity | None = None) -> None:
         """``args``: the settings, or (a data-parallel engine core) the front's resolved config;
         ``activity``: the one this process's liveness beats already report (a core's)."""
-        self.config = args if isinstance(args, FDConfig) else args.create_config()
-        mc = self.config.model_config
-        self.tokenizer = Tokenizer(mc.model_dir)
-        self.grammar = GrammarEngine(self.tokenizer, mc.vocab_size)
-        pc = self.config.parallel_config
+        super().__init__(args if isinstance(args, FDConfig) else args.create_config())
+        mc, pc = self.config.model_config, self.config.parallel_config
         worker_argv = ["--config", encode_config(self.config), "--driver-pid", str(os.getpid())]
         self.parallel = init_parallel(pc, worker_argv, activity)
         self.tp = self.parallel.tp
@@ -193,7 +192,6 @@ class LLMEngine(RequestMaker):
         self.spec = SpecDecodeStats(k)
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
-        self.eos_token_ids = sorted(set(mc.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self.num_generated_tokens = 0
         self.step_listeners: list = []  # callables(request, now) for metrics
         self.preempted_log: deque[Request] = deque(maxlen=256)  # the latest, for inspection

@@ -90,7 +90,6 @@ class NixlTransport(Transport):
             name or f"fastdeploy-{os.getpid()}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"])
         )
         self.peers: dict[str, str] = {}
-        self.regions: list = []
         self.session = ""
 
     def register(self, addr: int, nbytes: int) -> None:

@@ -173,7 +173,7 @@ class OpenAIServer:
         rid = f"cmpl-{uuid.uuid4().hex}"
         reqs = await run_in_threadpool(self.mapping.prepare_completion, body, rid)
         if body.kv_transfer_params is not None:
-            return await self.prefill_for_remote(http, reqs, body)
+            return await self.prefill_for_remote(reqs, body)
         queued = self._submit(reqs)
         return await self.respond(http, queued, body, self._formatter(rid, queued, body, False, body.logprobs or 0))
 
@@ -181,13 +181,13 @@ class OpenAIServer:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reqs = await run_in_threadpool(self.mapping.prepare_chat, body, rid)
         if body.kv_transfer_params is not None:
-            return await self.prefill_for_remote(http, reqs, body)
+            return await self.prefill_for_remote(reqs, body)
         queued = self._submit(reqs)
         return await self.respond(http, queued, body, self._formatter(rid, queued, body, True, body.top_logprobs or 0))
 
     # ------------------------------------------------------------ prefill / decode disaggregation
 
-    async def prefill_for_remote(self, http: Request, reqs: list[list[EngineRequest]], body):
+    async def prefill_for_remote(self, reqs: list[list[EngineRequest]], body):
         """A prefill instance (docs/design.md §4.20): each sequence's prompt computed, its first
         token drawn, and its prompt's KV pushed to the decode instance's target before its blocks
         are freed; returns each first token (id, logprob, top logprobs) for the decode's
