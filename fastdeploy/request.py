@@ -42,6 +42,8 @@ class RequestOutput:
     # and the top alternatives' {token: logprob}, and its rank in the vocabulary (1 = most likely)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None
+    # a prefill instance's, with MTP: the drafts after the first token, for the decode instance
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)  # a request is itself: lists of them compare by identity
@@ -156,6 +158,7 @@ class Request:
             self.error,
             self.prompt_logprobs,  # not copied: complete once the prompt is computed, then unchanged
             self.prompt_ranks,
+            list(self.draft_token_ids) if self.kv_target is not None else [],
         )
 
 

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fastdeploy.cache_manager.block_manager import BlockManager
@@ -272,16 +272,21 @@ class LLMEngine(RequestMaker):
             self.abort_request(rid)
         return gone
 
-    def commit(self, request_id: str, first: SampleResult, cached_tokens: int = 0) -> RequestOutput:
+    def commit(
+        self, request_id: str, first: SampleResult, cached_tokens: int = 0, drafts: Sequence[int] = ()
+    ) -> RequestOutput:
         """A parked request's prompt KV has arrived with its first token: it runs on from there
         (its first output, which may already finish it); ``cached_tokens``: the prompt tokens the
-        prefill instance found in its prefix cache (what usage reports). KeyError for an unknown id."""
+        prefill instance found in its prefix cache (what usage reports); ``drafts``: the prefill's
+        MTP drafts after the first token, which this instance's first step verifies (at most its
+        own k; none without speculation). KeyError for an unknown id."""
         req = self.parked.pop(request_id)
         req.num_computed_tokens, req.num_cached_tokens = len(req.prompt_token_ids), cached_tokens
         self.block_manager.cache_full_blocks(req)
         req.status = RequestStatus.RUNNING
         self.scheduler.running.append(req)
-        self._append(req, first, time.monotonic())
+        if self._append(req, first, time.monotonic()):
+            req.draft_token_ids = [int(t) for t in drafts[: self.spec.k]]
         out = req.to_output()
         if req.is_finished:
             self.requests.pop(request_id, None)

@@ -100,7 +100,8 @@ class MTPProposer:
         """The driver, after the latest step (``starts``: each request's computed tokens before
         it): the draft message every rank runs, and the requests that draft. A request drafts
         from the row of its last accepted token, as deep as ``k``, its room (max_tokens,
-        max_model_len) and its blocks (``covered``: the tokens its tables hold) allow. Under a
+        max_model_len) and its blocks (``covered``: the tokens its tables hold) allow; a prompt
+        whose KV another instance decodes drafts for it (that instance bounds them). Under a
         structured-output grammar the verify step masks each row with the grammar's state after
         the drafts before it (``token_bitmask``), so a draft the grammar refuses is rejected; not
         while a grammar waits for its start token (the rows after that token would need a mask
@@ -116,7 +117,8 @@ class MTPProposer:
                     next_ids[row + i] = seq[start + i + 1]
             if isinstance(res, list) and (req.matcher is None or req.constrained):
                 p = len(seq) - 2  # the last accepted token's position
-                d = min(self.k, req.draft_room(self.max_model_len, len(res)), covered(req) - p)
+                room = req.draft_room(self.max_model_len, len(res)) if req.kv_target is None else self.k
+                d = min(self.k, room, covered(req) - p)
                 if d > 0:
                     rows.append(row + p - start)
                     batch.append(b)

@@ -112,7 +112,8 @@ def test_through_the_proxy_streams_samples_and_chats_are_one_servers(pd):
 
 def test_faults_free_every_block_and_both_instances_serve_on(pd, rng):
     """A prefill instance that is unreachable (502), a reservation never continued (freed after
-    kv_timeout, then a 408), malformed first tokens and malformed targets (400s), a client that
+    kv_timeout, then a 408), malformed first tokens (a token or draft outside the vocabulary
+    included) and malformed targets (400s), a client that
     leaves a stream through the proxy: each an OpenAI-shaped error (or an abort), every block free
     on both sides, and the next request served."""
     one, pre, dec, proxy = pd
@@ -134,6 +135,10 @@ def test_faults_free_every_block_and_both_instances_serve_on(pd, rng):
     res = post(dec.base, "kv/reserve", {"path": "completions", "body": body}).json()
     r = post(dec.base, "kv/continue", {"handle": res["handle"], "first_tokens": [{"token": 1}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "first_tokens"
+    for bad in ({"token_id": 10**6}, {"token_id": 5, "draft_token_ids": [3, -1]}):  # outside the vocabulary
+        res = post(dec.base, "kv/reserve", {"path": "completions", "body": body}).json()
+        r = post(dec.base, "kv/continue", {"handle": res["handle"], "first_tokens": [bad]})
+        assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
     all_free(dec)
     bad = {**body, "max_tokens": 1, "kv_transfer_params": {"targets": [{"session": "x"}]}}
     r = post(pre.base, "completions", bad)

@@ -56,6 +56,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.reserved: dict[str, tuple] = {}  # a decode instance's: handle -> (path, body, sequences, when)
         self.kv_timeout = engine.engine.config.kv_transfer_config.kv_timeout
+        self.vocab_size = engine.engine.config.model_config.vocab_size
 
     def _submit(self, reqs: list[list[EngineRequest]]) -> list[tuple[EngineRequest, asyncio.Queue]]:
         flat, queued = [r for row in reqs for r in row], []
@@ -215,7 +216,15 @@ class OpenAIServer:
             top = c.logprobs[0] if c.logprobs else None
             tok = c.token_ids[0]
             lp = top.get(tok, 0.0) if top else 0.0
-            firsts.append({"token_id": tok, "logprob": lp, "top_logprobs": top, "cached_tokens": out.num_cached_tokens})
+            firsts.append(
+                {
+                    "token_id": tok,
+                    "logprob": lp,
+                    "top_logprobs": top,
+                    "cached_tokens": out.num_cached_tokens,
+                    "draft_token_ids": out.draft_token_ids,
+                }
+            )
         return JSONResponse({"first_tokens": [_json_first(f) for f in firsts]})
 
     async def kv_reserve(self, raw: dict) -> JSONResponse:
@@ -266,7 +275,7 @@ class OpenAIServer:
             self._cancel(flat)
             raise APIError(400, f"first_tokens: {len(flat)} expected", "first_tokens")
         try:
-            samples = [_sample(f) for f in firsts]
+            samples = [_sample(f, self.vocab_size) for f in firsts]
         except (KeyError, TypeError, ValueError) as e:
             self._cancel(flat)
             raise APIError(400, f"first_tokens: malformed ({e})", "first_tokens") from None
@@ -291,11 +300,15 @@ class OpenAIServer:
             self.engine.abort(r.request_id)
 
 
-def _sample(f: dict) -> tuple[SampleResult, int]:
-    """A prefill instance's first token: the sample, and the prompt tokens its prefix cache held."""
+def _sample(f: dict, vocab_size: int) -> tuple[SampleResult, int, list[int]]:
+    """A prefill instance's first token: the sample, the prompt tokens its prefix cache held, and
+    its MTP drafts after the token. ValueError for a token outside the vocabulary."""
     top = f.get("top_logprobs")
     top = {int(k): float(v) for k, v in top.items()} if top is not None else None
-    return SampleResult(int(f["token_id"]), float(f.get("logprob", 0.0)), top), int(f.get("cached_tokens", 0))
+    tok, drafts = int(f["token_id"]), [int(t) for t in f.get("draft_token_ids", [])]
+    if not all(0 <= t < vocab_size for t in [tok, *drafts]):
+        raise ValueError(f"a token id outside the vocabulary [0, {vocab_size})")
+    return SampleResult(tok, float(f.get("logprob", 0.0)), top), int(f.get("cached_tokens", 0)), drafts
 
 
 def _json_first(f: dict) -> dict:
