@@ -520,12 +520,15 @@ class KVTransferConfig:
     """``--kv-transfer-config`` (vLLM's JSON; docs/design.md §4.20): ``kv_connector`` the transfer
     engine (None: no transfer), ``kv_role`` whether this instance sends prompts' KV (producer,
     a prefill instance), receives it (consumer, a decode instance) or both, ``kv_ip`` the host
-    its transfer endpoint binds, ``kv_timeout`` seconds a transfer may take."""
+    its transfer endpoint binds, ``kv_timeout`` seconds a transfer may take, ``kv_push`` when a
+    prefill instance sends a prompt's blocks: ``end`` (one batch once the first token is drawn)
+    or ``layer`` (each layer's as the prompt's last step finishes that layer)."""
 
     kv_connector: str | None = None
     kv_role: str = "kv_both"
     kv_ip: str = "127.0.0.1"
     kv_timeout: float = 30.0
+    kv_push: str = "end"
 
     def __post_init__(self) -> None:
         if self.kv_connector is not None and self.kv_connector not in KV_CONNECTORS:
@@ -534,6 +537,8 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config: kv_role {self.kv_role!r} is not one of {KV_ROLES}")
         if not (isinstance(self.kv_timeout, (int, float)) and self.kv_timeout > 0):
             raise ValueError(f"kv_transfer_config: kv_timeout must be positive, got {self.kv_timeout!r}")
+        if self.kv_push not in ("end", "layer"):
+            raise ValueError(f"kv_transfer_config: kv_push {self.kv_push!r} is not one of ('end', 'layer')")
 
     @classmethod
     def parse(cls, text: str | None) -> KVTransferConfig:

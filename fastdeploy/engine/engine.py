@@ -201,7 +201,8 @@ class LLMEngine(RequestMaker):
         self.in_flight: Launched | None = None  # the step launched last, not yet taken (overlapped loop)
         self.kv: KVHandoff | None = None  # prefill / decode disaggregation (docs/design.md §4.20)
         if self.config.kv_transfer_config.kv_connector is not None:
-            self.kv = KVHandoff(self.config, self.runner.kv_transport, self.runner.kv_peers)
+            layers = self.runner.kv_region_layers()
+            self.kv = KVHandoff(self.config, self.runner.kv_transport, self.runner.kv_peers, layers)
         self.parked: dict[str, Request] = {}  # reserved for a prefill instance's KV, not yet committed
 
     def _rank_failed(self, why: str) -> None:
@@ -235,6 +236,8 @@ class LLMEngine(RequestMaker):
         """Abort a live request, freeing its blocks; whether there was one to abort."""
         req = self.requests.pop(request_id, None)
         self.parked.pop(request_id, None)
+        if self.kv is not None:
+            self.kv.forget(request_id)
         live = req is not None and not req.is_finished
         if live:
             req.finish_reason = "abort"
@@ -344,8 +347,13 @@ class LLMEngine(RequestMaker):
             req.num_computed_tokens += n - m
             req.inflight_tokens += n - m
             req.pending_tokens += i in samples
+        hook = None
+        if self.kv is not None:  # a prefill instance: prompts this step completes may push layer by layer
+            each = zip(sched.scheduled, prep.starts, strict=True)
+            last = [req for (req, n), start in each if start < req.num_prompt_tokens <= start + n]
+            hook = self.kv.layer_hook([(r.block_tables, r.kv_target) for r in last if r.kv_target is not None])
         try:
-            running: RunningStep | Exception = self.runner.launch(prep)
+            running: RunningStep | Exception = self.runner.launch(prep, hook)
         except Exception as e:  # noqa: BLE001 - pinned to its requests in _take
             running = e
         return Launched(prep, drafts, samples, running)
@@ -459,6 +467,8 @@ class LLMEngine(RequestMaker):
         logger.error("request %s failed: %s: %s", req.request_id, type(e).__name__, e)
         req.error = f"{type(e).__name__}: {e}"
         req.finish_reason = "error"
+        if self.kv is not None:
+            self.kv.forget(req.request_id)
         self.scheduler.finish(req)
         self.num_request_errors += 1
         self.requests.pop(req.request_id, None)

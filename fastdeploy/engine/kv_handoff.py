@@ -5,18 +5,26 @@ The decode instance (consumer) ``reserve``s a request: its cached prefix is kept
 for the rest of the prompt (in an SWA group only the last window's), and a ``KVTarget`` names
 them with the addresses of its cache tensors. The prefill instance (producer) runs the prompt
 with the target attached and ``max_tokens`` 1; when the request finishes, before its blocks are
-freed, ``push`` writes exactly the target's blocks, every layer, in one batch. The decode
-instance then ``commit``s the request with the first token: its prompt counts as computed and it
-decodes on as if it had computed the prompt itself.
+freed, ``push`` writes exactly the target's blocks, every layer, in one batch (``kv_push`` end),
+or waits for the layers' writes started as the prompt's last step finished each layer
+(``layer_hook``, ``kv_push`` layer) and writes the rest. The decode instance then ``commit``s
+the request with the first token: its prompt counts as computed and it decodes on as if it had
+computed the prompt itself.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import paddle
+
 from fastdeploy.config import FDConfig
-from fastdeploy.kv_transfer.transport import Transport
+from fastdeploy.kv_transfer.transport import TransferError, Transport
+from fastdeploy.worker.kv_sizing import on_gpu
 
 logger = logging.getLogger("fastdeploy")
 
@@ -61,33 +69,114 @@ class KVTarget:
             raise ValueError(f"kv_transfer_params: not a KV target ({type(e).__name__}: {e})") from None
 
 
+Batch = tuple[str, list[int], list[int], list[int]]  # one write: peer session, sources, destinations, lengths
+
+
+def device_event() -> object | None:
+    """An event recorded behind the device work queued so far; None on CPU, where that work is
+    done by the time the host gets here."""
+    if not on_gpu():
+        return None
+    event = paddle.device.Event()
+    event.record()
+    return event
+
+
 class KVHandoff:
     """The driver's side of the handoff over its runner's transport: ``peers`` every
-    tensor-parallel rank's (session, cache regions), this rank's first."""
+    tensor-parallel rank's (session, cache regions), this rank's first; ``layers`` the decoder
+    layer whose forward writes each region (the MTP layer's: ``num_hidden_layers``, written by
+    the draft pass)."""
 
-    def __init__(self, fd: FDConfig, transport: Transport, peers: list[tuple[str, list[Region]]]) -> None:
+    def __init__(
+        self, fd: FDConfig, transport: Transport, peers: list[tuple[str, list[Region]]], layers: list[int]
+    ) -> None:
         self.timeout = fd.kv_transfer_config.kv_timeout
         self.transport, self.peers = transport, peers
-        self.regions = peers[0][1]
+        self.regions, self.layers = peers[0][1], layers
         self.bytes_sent = 0
         self.blocks_sent: dict[str, int] = {}
+        self.by_layer = fd.kv_transfer_config.kv_push == "layer"
+        self.sender = ThreadPoolExecutor(1, "kv-push") if self.by_layer else None
+        self.started: dict[str, list[tuple[Future, list[int]]]] = {}  # request id -> (write, its regions)
+        self.layer_writes = 0  # writes started as a layer finished (kv_push layer), a request's each
 
     def target(self, request_id: str, fill: dict[str, list[tuple[int, int]]]) -> KVTarget:
         (session, regions), *more = self.peers
         return KVTarget(request_id, session, regions, fill, more)
 
+    def layer_hook(self, done: list[tuple[dict[str, list[int]], KVTarget]]) -> Callable[[int], None] | None:
+        """With ``kv_push`` layer, for a step that completes the prompts of ``done`` (each
+        one's block tables and target): the ``ForwardMeta.layer_done`` that starts writing a
+        layer's blocks of each once that layer's work is done (a device event, waited for on the
+        sender thread, so the forward is not held up). None when there is nothing to start."""
+        if not (self.by_layer and done):
+            return None
+
+        def layer_done(layer: int) -> None:
+            regions = [r for r, at in enumerate(self.layers) if at == layer]
+            event = device_event()
+            for tables, target in done:
+                try:  # the addresses now: the tables change as the engine goes on
+                    write = self.sender.submit(self._write, self._batches(tables, target, regions), event)
+                except ValueError as e:  # the push raises it: that request fails, not the step
+                    write = Future()
+                    write.set_exception(e)
+                self.started.setdefault(target.request_id, []).append((write, regions))
+                self.layer_writes += 1
+
+        return layer_done
+
+    def forget(self, request_id: str) -> None:
+        """Drop the layer writes started for a request that will not be pushed (it failed or was
+        aborted); they finish or fail on their own."""
+        self.started.pop(request_id, None)
+
     def push(self, tables: dict[str, list[int]], target: KVTarget) -> int:
         """Write the target's blocks from this request's ``tables`` (logical -> physical, per
-        group) into the caches of each of the consumer's ranks, every layer, one batch a rank;
-        returns the bytes sent. ValueError when the target does not match this model or names a
-        block this request does not hold; TransferError when a write fails or outlasts
-        ``kv_timeout``."""
-        n = 0
-        for session, regions in [(target.session, target.regions), *target.more]:
-            if [(g, b) for g, _, b, _ in regions] != [(g, b) for g, _, b, _ in self.regions]:
+        group) into the caches of each of the consumer's ranks, every layer (those started layer
+        by layer waited for, the rest in one batch a rank); returns the bytes sent. ValueError
+        when the target does not match this model or names a block this request does not hold;
+        TransferError when a write fails or the whole push outlasts ``kv_timeout``."""
+        deadline = time.monotonic() + self.timeout
+        started = self.started.pop(target.request_id, [])
+        done = {r for _, regions in started for r in regions}
+        rest = [r for r in range(len(self.regions)) if r not in done]
+        writes, n = [], 0
+        for write, _ in started:
+            try:
+                handles, sent = write.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise TransferError(f"a layer's KV write did not start in {self.timeout:g} s") from None
+            writes += handles
+            n += sent
+        handles, sent = self._write(self._batches(tables, target, rest), None)
+        writes += handles
+        n += sent
+        for peer, handle in writes:
+            self.transport.wait(peer, handle, deadline)
+        self.bytes_sent += n
+        for g, pairs in target.fill.items():
+            self.blocks_sent[g] = self.blocks_sent.get(g, 0) + len(pairs)
+        return n
+
+    def _write(self, batches: list[Batch], event: object | None) -> tuple[list[tuple[str, object]], int]:
+        """Start each write once ``event`` is done: the (peer, handle) of each, and the bytes."""
+        if event is not None:
+            event.synchronize()
+        return [(b[0], self.transport.write(*b)) for b in batches if b[1]], sum(sum(b[3]) for b in batches)
+
+    def _batches(self, tables: dict[str, list[int]], target: KVTarget, regions: list[int]) -> list[Batch]:
+        """One write a consumer rank of the target's blocks of ``regions`` (indices into this
+        model's cache regions); ValueError when the
+        target's caches are not this model's or it names a block the request does not hold."""
+        out = []
+        for session, theirs in [(target.session, target.regions), *target.more]:
+            if [(g, b) for g, _, b, _ in theirs] != [(g, b) for g, _, b, _ in self.regions]:
                 raise ValueError("kv_transfer_params: the decode instance's caches differ from this model's")
             src, dst, lengths = [], [], []
-            for (g, addr, per_block, _), (_, raddr, _, rblocks) in zip(self.regions, regions, strict=True):
+            for r in regions:
+                (g, addr, per_block, _), (_, raddr, _, rblocks) = self.regions[r], theirs[r]
                 table = tables.get(g, [])
                 for j, block in target.fill.get(g, []):
                     if not (0 <= j < len(table) and table[j] >= 0 and 0 <= block < rblocks):
@@ -95,10 +184,5 @@ class KVHandoff:
                     src.append(addr + table[j] * per_block)
                     dst.append(raddr + block * per_block)
                     lengths.append(per_block)
-            if src:
-                self.transport.write_all(session, src, dst, lengths, self.timeout)
-            n += sum(lengths)
-        self.bytes_sent += n
-        for g, pairs in target.fill.items():
-            self.blocks_sent[g] = self.blocks_sent.get(g, 0) + len(pairs)
-        return n
+            out.append((session, src, dst, lengths))
+        return out

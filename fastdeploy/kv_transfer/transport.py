@@ -40,14 +40,16 @@ class Transport(ABC):
     def poll(self, handle: object) -> bool:
         """Whether the write is done; TransferError if it failed."""
 
-    def write_all(self, peer: str, src: list[int], dst: list[int], lengths: list[int], timeout: float) -> None:
-        """``write`` and wait for it, at most ``timeout`` seconds (TransferError past it)."""
-        handle = self.write(peer, src, dst, lengths)
-        deadline = time.monotonic() + timeout
+    def wait(self, peer: str, handle: object, deadline: float) -> None:
+        """Poll a write to ``peer`` until it is done; TransferError past ``deadline`` (monotonic)."""
         while not self.poll(handle):
             if time.monotonic() > deadline:
-                raise TransferError(f"a KV write to {peer} did not finish in {timeout:g} s")
+                raise TransferError(f"a KV write to {peer} did not finish in time")
             time.sleep(0.0005)
+
+    def write_all(self, peer: str, src: list[int], dst: list[int], lengths: list[int], timeout: float) -> None:
+        """``write`` and wait for it, at most ``timeout`` seconds (TransferError past it)."""
+        self.wait(peer, self.write(peer, src, dst, lengths), time.monotonic() + timeout)
 
 
 class MooncakeTransport(Transport):

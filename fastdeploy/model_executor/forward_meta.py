@@ -10,7 +10,7 @@ backend's own business.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,6 +36,8 @@ class ForwardMeta:
     the host arrays then hold only what is the same at every replay of its bucket (B decodes,
     seq_lens_decoder each row's bound max_model_len - 1, no host block tables); a row's real
     position and blocks are on the device only.
+    layer_done: a prefill instance's layer-wise KV push (docs/design.md §4.20), called with a
+    decoder layer's index once its forward (its cache write included) is queued.
     """
 
     input_ids: paddle.Tensor
@@ -53,6 +55,7 @@ class ForwardMeta:
     kernels: KernelConfig
     attn: dict[str, object] = field(default_factory=dict)
     captured: bool = False
+    layer_done: Callable[[int], None] | None = None  # called as each layer's cache is written (§4.20)
 
 
 class StepPlanner(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -179,17 +180,25 @@ class GPUModelRunner:
                 out.append((spec.group, t.data_ptr(), per_block, int(t.shape[0])))
         return out
 
+    def kv_region_layers(self) -> list[int]:
+        """The layer that writes each of ``kv_regions`` (the MTP layer: ``num_hidden_layers``)."""
+        return [i for i, c in enumerate(self.caches) for _ in (c if isinstance(c, IndexedCache) else (c,))]
+
     def step_inputs(self, scheduled: list[tuple[Request, int]]) -> StepInputs:
         """The step's host arrays (``build_step_inputs``), decode steps padded to their bucket."""
         return build_step_inputs(scheduled, self.null_block, self.fd.scheduler_config.bucket_for)
 
     def run_step(
-        self, step: StepInputs, filled: paddle.Tensor | None = None
+        self,
+        step: StepInputs,
+        filled: paddle.Tensor | None = None,
+        layer_done: Callable[[int], None] | None = None,
     ) -> tuple[paddle.Tensor | None, PromptLogprobs | None]:
         """The model on one step's inputs, the same on every rank: logits [n, vocab] of the tokens
         that sample, on the device (None when none does), and the step's prompt logprobs (None
         when no request asks). ``filled``: int64 [P] on the device, the tokens of the step's
-        placeholders (in ``step.placeholders`` order)."""
+        placeholders (in ``step.placeholders`` order); ``layer_done``: the driver's layer-wise KV
+        push (``ForwardMeta.layer_done``; eager steps only: a captured step pushes at the end)."""
         at = paddle.to_tensor([r for r, _ in step.placeholders], dtype="int64") if step.placeholders else None
         if self.graphs is not None and self.graphs.takes(step):  # every token samples, in order
             meta, hidden, logits = self.graphs.run(step, at, filled)
@@ -198,6 +207,7 @@ class GPUModelRunner:
             n = len(step.samples_at) if step.is_decode else len(step.input_ids)  # verify: every token
             return (logits if n == logits.shape[0] else logits[:n]), None
         meta = self.meta_builder.build(step.input_ids, step.seq_lens_encoder, step.seq_lens_decoder, step.block_tables)
+        meta.layer_done = layer_done
         if at is not None:
             meta.input_ids = paddle.scatter(meta.input_ids, at, filled)
         hidden = self.model(meta, self.caches[: self.fd.model_config.num_hidden_layers])
@@ -221,12 +231,13 @@ class GPUModelRunner:
             outputs.append(req.output_token_ids + [PLACEHOLDER] * req.pending_tokens)
         return PreparedStep(scheduled, [r.num_computed_tokens for r, _ in scheduled], step, outputs)
 
-    def launch(self, prep: PreparedStep) -> RunningStep:
+    def launch(self, prep: PreparedStep, layer_done: Callable[[int], None] | None = None) -> RunningStep:
         """Queue a prepared step's device work behind every step launched before it (the driver;
         other ranks get its inputs by broadcast): the forward, the grammar masks and, when no
         row verifies drafts, the draw. A placeholder's token comes from the step before's drawn
         tokens on the device; nothing here waits for the device, except prompt logprobs (copied
-        back at once). A failure of the model step itself raises."""
+        back at once). A failure of the model step itself raises. ``layer_done``: see
+        ``run_step``."""
         self.launched_at.append(time.monotonic())  # the watchdog times the input broadcast too
         if not prep.scheduled and not self.fd.parallel_config.lockstep:
             return RunningStep(prep, None, None, None, [])
@@ -246,7 +257,7 @@ class GPUModelRunner:
                 vocab = self.fd.model_config.vocab_size
                 masks = self.mask_pool.submit(token_bitmask, [(reqs[i].matcher, drafts[i]) for i in masked], vocab)
             try:
-                logits, prompt = self.run_step(step, filled)
+                logits, prompt = self.run_step(step, filled, layer_done)
             finally:
                 words = masks.result() if masks is not None else None  # never left running
             if logits is not None and words is not None:

@@ -238,8 +238,10 @@ class DeepseekV3Model(nn.Layer):
 
     def forward(self, meta: ForwardMeta, caches: list[paddle.Tensor]) -> paddle.Tensor:
         x = self.embed_tokens(meta.input_ids)
-        for layer, cache in zip(self.layers, caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             x = layer(x, cache, meta)
+            if meta.layer_done is not None:
+                meta.layer_done(i)
         return self.norm(x)
 
 
