@@ -15,11 +15,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from fastdeploy.config import ModelConfig
 from fastdeploy.engine.engine import LLMEngine
+from fastdeploy.engine.kv_handoff import PrefillResult
 from fastdeploy.engine.metrics import EngineMetrics
 from fastdeploy.input.tokenizer import Tokenizer
 from fastdeploy.request import Request, RequestOutput
@@ -156,15 +157,15 @@ class AsyncLLMEngine:
             self.wake.notify()
         return done
 
-    def add_committed(self, req: Request, first, cached_tokens: int = 0, drafts: Sequence[int] = ()) -> asyncio.Queue:
-        """A request ``reserve``d on this (decode) instance whose prompt's KV has arrived with its
-        first token ``first`` (a SampleResult) and the prefill's ``drafts`` after it
-        (``LLMEngine.commit``): it runs on; its outputs on the queue, as ``add``'s."""
+    def add_committed(self, req: Request, handed: PrefillResult) -> asyncio.Queue:
+        """A request ``reserve``d on this (decode) instance whose prompt's KV has arrived with
+        what the prefill ``handed`` over (``LLMEngine.commit``): it runs on; its outputs on the
+        queue, as ``add``'s."""
         q: asyncio.Queue = asyncio.Queue()
 
         def commit(engine) -> None:
             try:
-                out = engine.commit(req.request_id, first, cached_tokens, drafts)
+                out = engine.commit(req.request_id, handed)
             except KeyError:
                 out = ValueError(f"kv_transfer_params: request {req.request_id} is not reserved here (expired?)")
             self._deliver(out, req.request_id)

@@ -9,7 +9,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastdeploy.cache_manager.block_manager import BlockManager
@@ -17,11 +17,10 @@ from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_re
 from fastdeploy.distributed.parallel import Activity, init_parallel
 from fastdeploy.distributed.watchdog import RankWatchdog
 from fastdeploy.engine.args import EngineArgs
-from fastdeploy.engine.kv_handoff import KVHandoff, KVTarget
+from fastdeploy.engine.kv_handoff import KVHandoff, KVTarget, PrefillResult
 from fastdeploy.engine.metrics import SpecDecodeStats, engine_stats
 from fastdeploy.input.grammar import GrammarEngine
 from fastdeploy.input.tokenizer import IncrementalDetokenizer, Tokenizer
-from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.request import Request, RequestOutput, RequestStatus
 from fastdeploy.sampling_params import SamplingParams
 from fastdeploy.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -275,21 +274,22 @@ class LLMEngine(RequestMaker):
             self.abort_request(rid)
         return gone
 
-    def commit(
-        self, request_id: str, first: SampleResult, cached_tokens: int = 0, drafts: Sequence[int] = ()
-    ) -> RequestOutput:
-        """A parked request's prompt KV has arrived with its first token: it runs on from there
-        (its first output, which may already finish it); ``cached_tokens``: the prompt tokens the
-        prefill instance found in its prefix cache (what usage reports); ``drafts``: the prefill's
-        MTP drafts after the first token, which this instance's first step verifies (at most its
-        own k; none without speculation). KeyError for an unknown id."""
+    def commit(self, request_id: str, handed: PrefillResult) -> RequestOutput:
+        """A parked request's prompt KV has arrived with what the prefill instance ``handed``
+        over: it runs on from there (its first output, which may already finish it). Usage reports
+        the prompt tokens the prefill's prefix cache held; the prefill's MTP drafts after the
+        first token are verified by this instance's first step (at most its own k; none without
+        speculation); the prompt's logprobs, when asked, are the prefill's. KeyError for an
+        unknown id."""
         req = self.parked.pop(request_id)
-        req.num_computed_tokens, req.num_cached_tokens = len(req.prompt_token_ids), cached_tokens
+        req.num_computed_tokens, req.num_cached_tokens = len(req.prompt_token_ids), handed.cached_tokens
+        if req.sampling_params.prompt_logprobs is not None:
+            req.prompt_logprobs, req.prompt_ranks = handed.prompt_logprobs, handed.prompt_ranks
         self.block_manager.cache_full_blocks(req)
         req.status = RequestStatus.RUNNING
         self.scheduler.running.append(req)
-        if self._append(req, first, time.monotonic()):
-            req.draft_token_ids = [int(t) for t in drafts[: self.spec.k]]
+        if self._append(req, handed.first, time.monotonic()):
+            req.draft_token_ids = handed.drafts[: self.spec.k]
         out = req.to_output()
         if req.is_finished:
             self.requests.pop(request_id, None)

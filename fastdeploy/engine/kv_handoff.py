@@ -24,6 +24,7 @@ import paddle
 
 from fastdeploy.config import FDConfig
 from fastdeploy.kv_transfer.transport import TransferError, Transport
+from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.worker.kv_sizing import on_gpu
 
 logger = logging.getLogger("fastdeploy")
@@ -67,6 +68,54 @@ class KVTarget:
             return cls(str(d["request_id"]), str(d["session"]), regions(d["regions"]), fill, more)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"kv_transfer_params: not a KV target ({type(e).__name__}: {e})") from None
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill instance hands a decode instance for one sequence with its KV
+    (``first_tokens[i]``): the first token's sample, the prompt tokens its prefix cache held
+    (what usage reports), its MTP drafts after the token, and when asked the prompt's logprobs
+    and ranks (``RequestOutput``'s)."""
+
+    first: SampleResult
+    cached_tokens: int = 0
+    drafts: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
+
+    def to_json(self) -> dict:
+        def ids(d: dict | None) -> dict | None:
+            return {str(k): v for k, v in d.items()} if d is not None else None
+
+        return {
+            "token_id": self.first.token_id,
+            "logprob": self.first.logprob,
+            "top_logprobs": ids(self.first.top_logprobs),
+            "cached_tokens": self.cached_tokens,
+            "draft_token_ids": self.drafts,
+            "prompt_logprobs": [ids(e) for e in self.prompt_logprobs] if self.prompt_logprobs is not None else None,
+            "prompt_ranks": self.prompt_ranks,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, vocab_size: int, prompt_len: int) -> PrefillResult:
+        """ValueError (or KeyError, TypeError) naming what is malformed: a token id outside the
+        vocabulary, prompt logprobs not one entry a prompt token."""
+
+        def ids(e: dict | None) -> dict[int, float] | None:
+            return {int(k): float(v) for k, v in e.items()} if e is not None else None
+
+        tok, drafts = int(d["token_id"]), [int(t) for t in d.get("draft_token_ids") or []]
+        if not all(0 <= t < vocab_size for t in [tok, *drafts]):
+            raise ValueError(f"a token id outside the vocabulary [0, {vocab_size})")
+        lps, ranks = d.get("prompt_logprobs"), d.get("prompt_ranks")
+        if lps is not None:
+            lps = [ids(e) for e in lps]
+            ranks = [int(r) if r is not None else None for r in ranks]
+            if not len(lps) == len(ranks) == prompt_len:
+                raise ValueError(f"prompt_logprobs and prompt_ranks: one entry a prompt token ({prompt_len})")
+        first = SampleResult(tok, float(d.get("logprob", 0.0)), ids(d.get("top_logprobs")))
+        return cls(first, int(d.get("cached_tokens", 0)), drafts, lps, ranks if lps is not None else None)
 
 
 Batch = tuple[str, list[int], list[int], list[int]]  # one write: peer session, sources, destinations, lengths

@@ -9,7 +9,7 @@ import pytest
 
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.config import KVTransferConfig
-from fastdeploy.engine.kv_handoff import KVTarget
+from fastdeploy.engine.kv_handoff import KVTarget, PrefillResult
 from fastdeploy.kv_transfer.transport import TransferError
 from fastdeploy.model_executor.layers.sampler import SampleResult
 
@@ -43,7 +43,8 @@ def handoff(pre, dec, ids, sp, rid):
     assert preq.error is None, preq.error
     tok, top = preq.output_token_ids[0], (preq.output_logprobs or [None])[0]
     drafts = last.draft_token_ids  # the prefill's MTP drafts after its token (none without MTP)
-    dec.commit(rid, SampleResult(tok, top[tok] if top else 0.0, top), preq.num_cached_tokens, drafts)
+    handed = PrefillResult(SampleResult(tok, top[tok] if top else 0.0, top), preq.num_cached_tokens, drafts)
+    dec.commit(rid, PrefillResult.from_json(handed.to_json(), 10**6, len(ids)))  # what travels over HTTP
     while dec.has_unfinished_requests():
         dec.step()
     return dreq, target, pre.kv.bytes_sent - before
@@ -225,6 +226,7 @@ TP_RUN = """
 import json, sys
 from fastdeploy import LLM, SamplingParams
 from fastdeploy.model_executor.layers.sampler import SampleResult
+from fastdeploy.engine.kv_handoff import PrefillResult
 kw, ids, tps = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 cfg = '{"kv_connector": "MooncakeConnector", "kv_role": "%s"}'
 pre = LLM(**kw, tensor_parallel_size=tps[0], kv_transfer_config=cfg % "kv_producer").engine
@@ -237,7 +239,7 @@ p.kv_target = target
 pre.enqueue(p)
 while pre.has_unfinished_requests():
     pre.step()
-dec.commit("d", SampleResult(p.output_token_ids[0], 0.0, None))
+dec.commit("d", PrefillResult(SampleResult(p.output_token_ids[0], 0.0, None)))
 while dec.has_unfinished_requests():
     dec.step()
 print("RESULT " + json.dumps([d.output_token_ids, p.kv_target is not None and len(target.more)]))

@@ -110,6 +110,49 @@ def test_through_the_proxy_streams_samples_and_chats_are_one_servers(pd):
     all_free(pre, dec)
 
 
+def test_through_the_proxy_echo_and_prompt_logprobs_are_one_servers(pd, rng):
+    """echo with logprobs (the prompt's tokens and logprobs first) and vLLM's prompt_logprobs, on
+    a prompt past 2W, completions and chat: the prefill instance computes them and they travel
+    with the first token, so the response is one server's; prompt logprobs that are not one entry
+    a prompt token, or missing where asked for, are a 400."""
+    one, pre, dec, proxy = pd
+    prompt = [int(x) for x in rng.integers(2, 500, 2 * W + BS + 3)]
+    body = {"model": "tiny-mla-swa", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    for extra in ({"echo": True, "logprobs": 2}, {"prompt_logprobs": 3, "logprobs": 1}):
+        a, b = (
+            post(proxy.base, "completions", {**body, **extra}).json(),
+            post(one.base, "completions", {**body, **extra}).json(),
+        )
+        ca, cb = a["choices"][0], b["choices"][0]
+        assert ca["text"] == cb["text"] and a["usage"] == b["usage"]
+        assert ca["logprobs"]["tokens"] == cb["logprobs"]["tokens"]
+        assert ca["logprobs"]["top_logprobs"][0] == cb["logprobs"]["top_logprobs"][0]  # None for the first token
+        got, want = ca["logprobs"]["token_logprobs"], cb["logprobs"]["token_logprobs"]
+        assert (got[0], want[0]) == (None, None) if "echo" in extra else len(got) == 5
+        np.testing.assert_allclose(got[1:], want[1:], atol=1e-5)
+        if "prompt_logprobs" in extra:
+            pa, pb = ca["prompt_logprobs"], cb["prompt_logprobs"]
+            assert pa[0] is None and len(pa) == len(prompt) == len(pb)
+            for ea, eb in zip(pa[1:], pb[1:], strict=True):
+                assert {t: e["rank"] for t, e in ea.items()} == {t: e["rank"] for t, e in eb.items()}
+                np.testing.assert_allclose(
+                    [e["logprob"] for e in ea.values()], [e["logprob"] for e in eb.values()], atol=1e-5
+                )
+    chat = {"model": "tiny-mla-swa", "messages": [{"role": "user", "content": "Rivers " * 30}], "max_tokens": 4}
+    chat.update(temperature=0, prompt_logprobs=1)
+    a, b = post(proxy.base, "chat/completions", chat).json(), post(one.base, "chat/completions", chat).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert [e and sorted(e) for e in a["prompt_logprobs"]] == [e and sorted(e) for e in b["prompt_logprobs"]]
+    res = post(dec.base, "kv/reserve", {"path": "completions", "body": {**body, "prompt_logprobs": 1}}).json()
+    short = {"token_id": 5, "prompt_logprobs": [None], "prompt_ranks": [None]}
+    r = post(dec.base, "kv/continue", {"handle": res["handle"], "first_tokens": [short]})
+    assert r.status_code == 400 and "one entry a prompt token" in r.json()["error"]["message"]
+    res = post(dec.base, "kv/reserve", {"path": "completions", "body": {**body, "prompt_logprobs": 1}}).json()
+    r = post(dec.base, "kv/continue", {"handle": res["handle"], "first_tokens": [{"token_id": 5}]})
+    assert r.status_code == 400 and "asked for and missing" in r.json()["error"]["message"]
+    all_free(pre, dec)
+
+
 def test_faults_free_every_block_and_both_instances_serve_on(pd, rng):
     """A prefill instance that is unreachable (502), a reservation never continued (freed after
     kv_timeout, then a 408), malformed first tokens (a token or draft outside the vocabulary

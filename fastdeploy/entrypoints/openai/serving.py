@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from fastdeploy.engine.async_engine import AsyncLLMEngine, EngineDeadError, ServerDrainingError
-from fastdeploy.engine.kv_handoff import KVTarget
+from fastdeploy.engine.kv_handoff import KVTarget, PrefillResult
 from fastdeploy.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -215,17 +215,12 @@ class OpenAIServer:
             c = out.outputs[0]
             top = c.logprobs[0] if c.logprobs else None
             tok = c.token_ids[0]
-            lp = top.get(tok, 0.0) if top else 0.0
-            firsts.append(
-                {
-                    "token_id": tok,
-                    "logprob": lp,
-                    "top_logprobs": top,
-                    "cached_tokens": out.num_cached_tokens,
-                    "draft_token_ids": out.draft_token_ids,
-                }
+            first = SampleResult(tok, top.get(tok, 0.0) if top else 0.0, top)
+            handed = PrefillResult(
+                first, out.num_cached_tokens, out.draft_token_ids, out.prompt_logprobs, out.prompt_ranks
             )
-        return JSONResponse({"first_tokens": [_json_first(f) for f in firsts]})
+            firsts.append(handed.to_json())
+        return JSONResponse({"first_tokens": firsts})
 
     async def kv_reserve(self, raw: dict) -> JSONResponse:
         """A decode instance: the body a client sent (``path`` completions or chat) made into its
@@ -275,12 +270,16 @@ class OpenAIServer:
             self._cancel(flat)
             raise APIError(400, f"first_tokens: {len(flat)} expected", "first_tokens")
         try:
-            samples = [_sample(f, self.vocab_size) for f in firsts]
-        except (KeyError, TypeError, ValueError) as e:
+            each = zip(firsts, flat, strict=True)
+            handed = [PrefillResult.from_json(f, self.vocab_size, len(r.prompt_token_ids)) for f, r in each]
+            for r, h in zip(flat, handed, strict=True):
+                if r.sampling_params.prompt_logprobs is not None and h.prompt_logprobs is None:
+                    raise ValueError("the prompt's logprobs are asked for and missing")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             self._cancel(flat)
             raise APIError(400, f"first_tokens: malformed ({e})", "first_tokens") from None
         try:
-            queued = [(r, self.engine.add_committed(r, *f)) for r, f in zip(flat, samples, strict=True)]
+            queued = [(r, self.engine.add_committed(r, h)) for r, h in zip(flat, handed, strict=True)]
         except EngineDeadError as e:
             raise APIError(503, str(e), None, "service_unavailable") from None
         chat = path == "chat"
@@ -298,19 +297,3 @@ class OpenAIServer:
     def _cancel(self, reqs: list[EngineRequest]) -> None:
         for r in reqs:
             self.engine.abort(r.request_id)
-
-
-def _sample(f: dict, vocab_size: int) -> tuple[SampleResult, int, list[int]]:
-    """A prefill instance's first token: the sample, the prompt tokens its prefix cache held, and
-    its MTP drafts after the token. ValueError for a token outside the vocabulary."""
-    top = f.get("top_logprobs")
-    top = {int(k): float(v) for k, v in top.items()} if top is not None else None
-    tok, drafts = int(f["token_id"]), [int(t) for t in f.get("draft_token_ids", [])]
-    if not all(0 <= t < vocab_size for t in [tok, *drafts]):
-        raise ValueError(f"a token id outside the vocabulary [0, {vocab_size})")
-    return SampleResult(tok, float(f.get("logprob", 0.0)), top), int(f.get("cached_tokens", 0)), drafts
-
-
-def _json_first(f: dict) -> dict:
-    top = f["top_logprobs"]
-    return {**f, "top_logprobs": {str(k): v for k, v in top.items()} if top is not None else None}
