@@ -271,6 +271,66 @@ def test_instances_of_different_tensor_parallel_sizes_hand_off(tps, rng):
     assert tokens == want.output_token_ids and more == tps[1] - 1
 
 
+DECODE_THEN_DIE = """
+import json, sys, time
+from fastdeploy import LLM, SamplingParams
+kw, ids = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+cfg = '{"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer"}'
+dec = LLM(**kw, kv_transfer_config=cfg).engine
+sp = SamplingParams(max_tokens=4, temperature=0)
+targets = [dec.reserve(dec.make_request(ids, sp, f"d{i}")).to_json() for i in range(2)]
+print("TARGETS " + json.dumps(targets), flush=True)
+time.sleep(600)  # killed by the test
+"""
+
+
+@pytest.mark.parametrize("push", ["end", "layer"])
+def test_a_decode_instance_that_dies_after_a_push_fails_the_next_one_in_time(rng, push):
+    """A decode engine in a process of its own reserves two requests; the first push lands (the
+    connection is made), then the process is killed; the second push fails its request within
+    kv_timeout with a TransferError, every block of the prefill engine is free, and it serves
+    the next request."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    ids = [int(x) for x in rng.integers(2, 500, 2 * W + BS + 5)]
+    child = subprocess.Popen(
+        [sys.executable, "-c", DECODE_THEN_DIE, json.dumps(KW), json.dumps(ids)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while not line.startswith("TARGETS ") and time.monotonic() < deadline:
+            line = child.stdout.readline()
+            assert line or child.poll() is None, "the decode process ended"
+        targets = [KVTarget.from_json(t) for t in json.loads(line[len("TARGETS ") :])]
+        cfg = '{"kv_connector": "MooncakeConnector", "kv_role": "kv_producer", "kv_timeout": 5, "kv_push": "%s"}'
+        pre = LLM(**KW, kv_transfer_config=cfg % push).engine
+        sp1 = SamplingParams(max_tokens=1, temperature=0)
+        for i, t in enumerate(targets):
+            if i == 1:
+                child.kill()
+                child.wait(timeout=30)
+            req = pre.make_request(ids, sp1, f"p{i}")
+            req.kv_target = t
+            t0 = time.monotonic()
+            generate_enqueued(pre, req)
+            took = time.monotonic() - t0
+            assert used(pre) == {"full": 0, "swa": 0}
+            assert (req.error is None) if i == 0 else ("TransferError" in req.error), req.error
+        assert took < 5 + 3  # kv_timeout, and the prompt's compute
+        ok = generate(pre, ids, sp1, "after")
+        assert ok.error is None and ok.finish_reason == "length"
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
 def test_a_transport_reports_a_write_that_outlasts_its_timeout():
     """write_all's timeout: a transport whose write never finishes raises TransferError."""
     from fastdeploy.kv_transfer.transport import Transport
