@@ -143,7 +143,7 @@ class DecodeGraphs:
             before = paddle.device.cuda.memory_allocated() if self.cuda else 0
             pad = {g: [[n]] * B for g, n in self.null_block.items()}
             self.fill(self.host_buffer([0] * B, [0] * B, pad), B)
-            self.body(B)  # warm-up: compiles kernels, makes lazy weights outside the capture
+            self.outputs[B] = self.body(B)  # warm-up: compiles kernels, makes lazy weights outside the capture
             if self.cuda:
                 graph = paddle.device.cuda.graphs.CUDAGraph()
                 graph.capture_begin()

@@ -31,6 +31,7 @@ from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, 
 from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitmask
 from fastdeploy.request import Request, sampling_batch
 from fastdeploy.worker.decode_graphs import DecodeGraphs
+from fastdeploy.worker.draft_graphs import DraftGraphs
 from fastdeploy.worker.kv_sizing import group_bytes_per_block, num_blocks_for, on_gpu
 from fastdeploy.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from fastdeploy.worker.speculation import MTPProposer, Results, verify_drafts
@@ -123,7 +124,8 @@ class GPUModelRunner:
     def capture_decode_graphs(self) -> DecodeGraphs | None:
         """Each decode bucket captured (docs/design.md §4.11), when ``cuda_graph_capture`` asks,
         ``enforce_eager`` does not forbid it and buckets exist; with speculation (k drafts) also
-        the verify steps of each bucket's requests, bucket x (k + 1) rows (§4.16)."""
+        the verify steps of each bucket's requests, bucket x (k + 1) rows, and the draft passes
+        after each bucket (``DraftGraphs``, §4.16)."""
         sc = self.fd.scheduler_config
         if not sc.cuda_graph_capture or sc.enforce_eager or not sc.cuda_graph_batch_sizes:
             return None
@@ -146,6 +148,11 @@ class GPUModelRunner:
             on_gpu(),
         )
         graphs.capture()
+        if self.spec is not None:  # the draft passes after each captured step, captured too
+            cache = self.caches[self.fd.model_config.num_hidden_layers]
+            decode = tuple(sc.cuda_graph_batch_sizes)
+            self.spec.graphs = DraftGraphs(self.spec.model, cache, self.meta_builder, graphs, decode, self.spec.k)
+            self.spec.graphs.capture()
         return graphs
 
     def allocate_caches(self, num_blocks: dict[str, int]) -> list[paddle.Tensor | IndexedCache]:

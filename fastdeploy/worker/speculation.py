@@ -18,6 +18,7 @@ from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.request import Request, sampling_batch
+from fastdeploy.worker.draft_graphs import DraftGraphs
 from fastdeploy.worker.step_inputs import DraftStep, StepInputs
 
 Results = list[list[SampleResult] | Exception | None]
@@ -86,6 +87,7 @@ class MTPProposer:
         self.model.eval()
         self.bytes_loaded = load_weights(self.model, mc.model_dir, None, tp.is_driver)
         self.last_step: tuple[StepInputs, ForwardMeta, paddle.Tensor] | None = None
+        self.graphs: DraftGraphs | None = None  # the captured passes (set when decode steps are captured)
 
     def remember(self, step: StepInputs, meta: ForwardMeta, hidden: paddle.Tensor) -> None:
         self.last_step = (step, meta, hidden)
@@ -135,11 +137,15 @@ class MTPProposer:
         request (``rows``: its row of the step, ``pos``: that row's position) ``depth`` - 1 more
         one-token passes on its own drafts at positions pos + 1, ... (their KV is rewritten when
         the target computes those positions). Each pass's drafts feed the next on the device; they
-        come back in one copy at the end. Arg-max drafts int64 [D, k], -1 past a request's depth."""
+        come back in one copy at the end. After a captured step the passes run as its bucket's
+        draft graph (``DraftGraphs``) when it takes them. Arg-max drafts int64 [D, k], -1 past a
+        request's depth."""
         step, meta, hidden = self.last_step
         out = np.full((len(msg.rows), self.k), -1, np.int64)
         if not msg.rows and not msg.write_cache:
             return out
+        if self.graphs is not None and meta.captured and self.graphs.takes(msg, hidden.shape[0]):
+            return self.graphs.run(msg, meta, hidden)
         pad = [0] * (hidden.shape[0] - len(msg.next_ids))  # a captured step's padding rows (null blocks)
         x = self.model(paddle.to_tensor(msg.next_ids + pad, dtype="int64"), hidden, meta, cache)
         if not msg.rows:  # the cache written, nothing to draft

@@ -374,9 +374,11 @@ def test_capture_settings(tiny_model_dir, mtp_model_dir, rng):
 
 def test_captured_verify_steps_give_the_eager_tokens(mtp_model_dir, rng, monkeypatch):
     """Speculation with captured steps: verify steps (each request's last token and its drafts,
-    one decode row a token, padded to a verify bucket) run as the bucket's body and give the eager
-    speculating engine's tokens and logprobs (greedy and seeded). k = 3; a prompt crosses 2W + a
-    block (W 32, block 16). (Greedy speculation equals the engine without it: test_spec_decode.)"""
+    one decode row a token, padded to a verify bucket) run as the bucket's body, and the draft
+    passes after them as the bucket's draft body; they give the eager speculating engine's tokens
+    and logprobs (greedy and seeded), and its drafts proposed and accepted. k = 3; a prompt
+    crosses 2W + a block (W 32, block 16). (Greedy speculation equals the engine without it:
+    test_spec_decode.)"""
     spec = '{"method": "mtp", "num_speculative_tokens": 3}'
     kw = dict(block_size=16, max_num_seqs=4, max_model_len=192, speculative_config=spec)
     captured = LLM(mtp_model_dir, cuda_graph_batch_sizes="1,2,4", cuda_graph_capture=True, **kw).engine
@@ -407,22 +409,33 @@ def test_captured_verify_steps_give_the_eager_tokens(mtp_model_dir, rng, monkeyp
             assert la.keys() == lb.keys()
             np.testing.assert_allclose(list(la.values()), list(lb.values()), rtol=0, atol=3e-3)
     assert captured.spec.num_accepted_tokens > 0 and shapes.count(False) > 0  # verify steps ran captured
+    assert captured.runner.spec.graphs.replays > 0  # and so did the draft passes after them
+    for stat in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):  # the same drafts, the same acceptance
+        assert getattr(captured.spec, stat) == getattr(eager.spec, stat), stat
 
 
 def test_verify_bodies_never_sync_the_host(mtp_model_dir, rng, monkeypatch):
-    """Every bucket's body of a speculating engine (its verify buckets too), at capture and at
-    each captured step, runs with host copies, uploads and data-dependent shapes raising (the
-    Triton kernels, through the interpreter)."""
+    """Every bucket's body of a speculating engine (its verify buckets too) and its draft passes'
+    body, at capture and at each captured step, run with host copies, uploads and data-dependent
+    shapes raising (the Triton kernels, through the interpreter)."""
     from fastdeploy.worker.decode_graphs import DecodeGraphs
+    from fastdeploy.worker.draft_graphs import DraftGraphs
 
     body, bodies = DecodeGraphs.body, []
+    draft_body, drafts = DraftGraphs.body, []
 
     def guarded(self, B):
         bodies.append(B)
         with NoHostSync(uploads=True):
             return body(self, B)
 
+    def draft_guarded(self, B, *a):
+        drafts.append(B)
+        with NoHostSync(uploads=True):
+            return draft_body(self, B, *a)
+
     monkeypatch.setattr(DecodeGraphs, "body", guarded)
+    monkeypatch.setattr(DraftGraphs, "body", draft_guarded)
     spec = '{"method": "mtp", "num_speculative_tokens": 3}'
     eng = LLM(
         mtp_model_dir,
@@ -441,6 +454,7 @@ def test_verify_bodies_never_sync_the_host(mtp_model_dir, rng, monkeypatch):
         for o in eng.step():
             assert o.outputs[0].finish_reason != "error", o.error
     assert eng.spec.num_accepted_tokens > 0 and bodies.count(4) > 1  # verify steps ran as guarded bodies
+    assert sorted(set(drafts)) == [1, 4] and drafts.count(4) > 1  # the draft passes after them too
 
 
 def test_one_copy_fills_the_step_buffer(tiny_model_dir):
