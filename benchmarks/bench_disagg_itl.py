@@ -8,8 +8,10 @@ server to core 1; the decode instance to core 1, the prefill instance to core 0;
 thin HTTP relay on the stream's path, shares the decode instance's core. A streaming decode of
 ``--decode-tokens`` tokens runs while ``--prompts`` prompts of ``--prompt`` tokens arrive one after
 another (max_tokens 1); the inter-token gaps of the stream (SSE arrival times) give p50 / p99 /
-max, against the same stream with no long prompts. The tiny SWA checkpoint, with
-max_position_embeddings raised to fit the prompts.
+max, against the same stream with no long prompts. The control (``disagg_prefill_alone``): the
+same prompts sent straight to the prefill instance, so its core computes them while nothing
+reaches the decode side. The tiny SWA checkpoint, with max_position_embeddings raised to fit the
+prompts.
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ def main() -> None:
         procs.append(p)
         res["disagg_idle"] = summary(gaps(proxy, short, a.decode_tokens))
         res["disagg_loaded"] = summary(gaps(proxy, short, a.decode_tokens, load(proxy)))
+        # the control: the same prompts straight to the prefill instance (no KV, no relay to the
+        # decode side): what the prefill's compute on the other core alone does to the stream
+        res["disagg_prefill_alone"] = summary(gaps(proxy, short, a.decode_tokens, load(pre)))
     finally:
         for p in procs:
             try:
@@ -130,7 +135,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"decode inter-token gaps, {a.prompts} prompts of {a.prompt} tokens arriving (ms):")
     for k, r in res.items():
-        print(f"  {k:14s} p50 {r['p50_ms']:7.1f}  p99 {r['p99_ms']:7.1f}  max {r['max_ms']:7.1f}")
+        print(f"  {k:20s} p50 {r['p50_ms']:7.1f}  p99 {r['p99_ms']:7.1f}  max {r['max_ms']:7.1f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpus": os.cpu_count(), "args": vars(a), **res}, f, indent=1)
