@@ -108,9 +108,9 @@ def test_padding_rows_run_as_the_bucket_and_write_the_null_block(tiny_model_dir,
     rows = []
     inner = runner.run_step
 
-    def run_step(step, filled=None):
+    def run_step(step, *a):
         rows.append((step.batch_size, len(step.samples_at)))
-        return inner(step, filled)
+        return inner(step, *a)
 
     runner.run_step = run_step
     for i in range(3):

@@ -9,6 +9,8 @@ a request while its step runs. Every block is free at the end. Steps a request's
 output or speculation needs taken first run in turn; a step failing with another launched behind
 it fails only its request."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -34,11 +36,11 @@ class Launches:
         runner = eng.runner
         launch = runner.launch
 
-        def counted(prep):
+        def counted(prep, *a):
             self.steps += 1
             self.behind += runner.step_started is not None
             self.placeholders += len(prep.step.placeholders)
-            return launch(prep)
+            return launch(prep, *a)
 
         runner.launch = counted
 
@@ -193,10 +195,10 @@ def test_a_step_failing_with_one_behind_fails_only_its_request(tiny_model_dir, r
     if where == "launch":  # before any device work of the step
         launch = runner.launch
 
-        def faulty(prep):
+        def faulty(prep, *a):
             if poisoned([r for r, _ in prep.scheduled]):
                 raise RuntimeError("injected step failure")
-            return launch(prep)
+            return launch(prep, *a)
 
         runner.launch = faulty
     else:  # at the copy-back of the step's draw, inside the runner's finish
@@ -257,6 +259,36 @@ def test_speculation_runs_in_turn_with_the_same_tokens(mtp_model_dir, rng):
         assert launches.behind == 0
     same_outputs(*outs)
     assert eng.spec.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_captured_speculation_changes_no_token_through_the_whole_plan(mtp_model_dir, rng, k):
+    """Speculation with k drafts, every step eager against decode and verify steps and the draft
+    passes after them captured (buckets 1, 2, 4, 6 and their verify buckets), over the whole plan
+    (window crossings, chunks below and above W, preemption, prefix hits shorter and longer than
+    W, stop token / string, max_tokens, min_tokens, seeded penalized sampling, n = 4, an abort)
+    plus a regex-constrained request: the same tokens, texts, finish reasons, logprobs and
+    drafts proposed and accepted; every block free at the end."""
+    llm = LLM(mtp_model_dir, block_size=BS, max_model_len=192)
+    probe = llm.generate([PROBE_PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    plan = make_plan(rng, probe[0].outputs[0].token_ids, llm.engine.tokenizer)
+    so = StructuredOutput("regex", "(ab|cd){3,6}x", "structured_outputs.regex")
+    plan[3] = [("grammar", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, structured=so), None)]
+    spec = '{"method": "mtp", "num_speculative_tokens": %d}' % k
+    runs = []
+    for capture in (False, True):
+        kw = dict(cuda_graph_capture=capture, cuda_graph_batch_sizes="1,2,4,6" if capture else "")
+        eng = engine(mtp_model_dir, True, num_gpu_blocks_override=24, speculative_config=spec, **kw)
+        runs.append((drive(eng, plan, {24: ["aborted"]})[0], eng))
+    (eager, e_eng), (captured, c_eng) = runs
+    same_outputs(eager, captured)
+    assert c_eng.runner.graphs.replays > 0 and c_eng.runner.spec.graphs.replays > 0
+    for stat in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert getattr(c_eng.spec, stat) == getattr(e_eng.spec, stat) > 0, stat
+    for eng in (e_eng, c_eng):
+        assert eng.num_preemptions > 0 and eng.block_manager.prefix_hits > 0 and eng.block_manager.swa_blocks_released
+    g = captured["grammar"].outputs[0]
+    assert g.finish_reason == "stop" and re.fullmatch("(ab|cd){3,6}x", g.text), g.text
 
 
 def test_any_plan_gives_the_same_tokens_in_turn_and_overlapped(tiny_model_dir):

@@ -278,10 +278,10 @@ def test_engine_step_failure_fails_only_its_request(live):
     inner = runner.launch
     marker = 499  # a token id only the poisoned prompt contains
 
-    def launch(prep):
+    def launch(prep, *a):
         if any(marker in req.prompt_token_ids for req, _ in prep.scheduled):
             raise RuntimeError("injected step failure")
-        return inner(prep)
+        return inner(prep, *a)
 
     runner.launch = launch
     try:
