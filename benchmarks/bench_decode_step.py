@@ -478,8 +478,11 @@ TOKENS_A_STEP = {"fitted": {1: 1.69, 2: 2.17, 3: 2.38}, "deepseek": {1: 1.85}}
 def verify_rows(a, g: torch.Generator) -> None:
     """One layer's verify step (B * (k + 1) tokens) against its 1-token decode step (B tokens),
     then the projected TP 8 time a token: 61 layers (``--swa-fraction`` SWA) of the verify step,
-    the MTP layer run k times at B tokens (a full layer), the LM head and sampler over B * (k + 1)
-    rows, over the tokens a step yields."""
+    the LM head and sampler over B * (k + 1) rows, and the draft passes as the engine's captured
+    draft graph runs them (``worker/draft_graphs.py``): the MTP layer (a full layer) over the
+    step's B * (k + 1) rows, then k - 1 times over B rows, each pass's LM head and arg-max over
+    B rows (timed as head and sampler: an upper bound); over the tokens a step yields. The host's
+    work between steps is not in it (speculating steps run in turn)."""
     ks = [int(k) for k in a.verify_k.split(",")]
     rows = []
     print("| TP | B | ctx | layer | decode ms | " + " | ".join(f"k={k} ms (x decode)" for k in ks) + " |")
@@ -502,8 +505,11 @@ def verify_rows(a, g: torch.Generator) -> None:
         layers = {key: stack_ms(per, key, a.swa_fraction) for key in per["swa"] if "ms" in key}
         proj = {"B": B, "decode_ms_token": layers["decode_ms"] + head_and_sampler_ms(B, 8, g)}
         for k in ks:
-            step = layers[f"verify_k{k}_ms"] + k * per["full"]["decode_ms"] + head_and_sampler_ms(B * (k + 1), 8, g)
+            mtp = per["full"][f"verify_k{k}_ms"] + (k - 1) * per["full"]["decode_ms"]  # pass 1 over every row
+            drafts = mtp + k * head_and_sampler_ms(B, 8, g)
+            step = layers[f"verify_k{k}_ms"] + head_and_sampler_ms(B * (k + 1), 8, g) + drafts
             proj[f"verify_k{k}_step_ms"] = step
+            proj[f"draft_k{k}_ms"] = drafts
             for source, tokens in TOKENS_A_STEP.items():
                 if k in tokens:
                     proj[f"k{k}_{source}_ms_token"] = step / tokens[k]

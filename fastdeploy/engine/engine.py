@@ -334,6 +334,8 @@ class LLMEngine(RequestMaker):
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         self.preempted_log.extend(sched.preempted)
+        for req in sched.preempted if self.kv is not None else ():  # its blocks are gone: no layer write stands
+            self.kv.forget(req.request_id)
         return sched
 
     def _launch(self, sched: SchedulerOutput) -> Launched:
