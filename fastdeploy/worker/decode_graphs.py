@@ -135,15 +135,19 @@ class DecodeGraphs:
         for i, view in enumerate(self.table_views(B)):
             view[:, :w] = dev[2 * B + i * B * w : 2 * B + (i + 1) * B * w].reshape([B, w])
 
+    def padding(self, B: int) -> tuple[ForwardMeta, paddle.Tensor, paddle.Tensor]:
+        """Bucket B's body over a step of padding rows only (they write the null block)."""
+        pad = {g: [[n]] * B for g, n in self.null_block.items()}
+        self.fill(self.host_buffer([0] * B, [0] * B, pad), B)
+        return self.body(B)
+
     def capture(self) -> None:
         """Each bucket, over a step of padding rows only (they write the null block): run once,
         then capture; capture time and memory are logged."""
         for B in reversed(self.buckets):
             started = time.monotonic()
             before = paddle.device.cuda.memory_allocated() if self.cuda else 0
-            pad = {g: [[n]] * B for g, n in self.null_block.items()}
-            self.fill(self.host_buffer([0] * B, [0] * B, pad), B)
-            self.outputs[B] = self.body(B)  # warm-up: compiles kernels, makes lazy weights outside the capture
+            self.padding(B)  # warm-up: compiles kernels, makes lazy weights outside the capture
             if self.cuda:
                 graph = paddle.device.cuda.graphs.CUDAGraph()
                 graph.capture_begin()

@@ -98,7 +98,8 @@ class DraftGraphs:
             started = time.monotonic()
             empty = DraftStep([], [], [], [], [])
             self.staging[: B + 3 * self.requests[B]] = paddle.to_tensor(self.host_buffer(empty, B))
-            meta, hidden, _ = self.decode.outputs[B]
+            # the decode graph's outputs (on CPU, where nothing is kept, a run of its body over padding)
+            meta, hidden, _ = self.decode.outputs[B] if B in self.decode.outputs else self.decode.padding(B)
             self.body(B, meta, hidden)  # warm-up
             if self.decode.cuda:
                 graph = paddle.device.cuda.graphs.CUDAGraph()

@@ -447,7 +447,7 @@ def test_verify_bodies_never_sync_the_host(mtp_model_dir, rng, monkeypatch):
         cuda_graph_batch_sizes="1",
         cuda_graph_capture=True,
     ).engine
-    assert eng.runner.graphs.buckets == (1, 4) and sorted(bodies) == [1, 4]  # each warmed up, guarded
+    assert eng.runner.graphs.buckets == (1, 4) and sorted(set(bodies)) == [1, 4]  # each warmed up, guarded
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     eng.add_request([int(x) for x in rng.integers(4, 256, 20)], sp, "r")
     while eng.has_unfinished_requests():
