@@ -217,8 +217,8 @@ class KVHandoff:
 
     def _batches(self, tables: dict[str, list[int]], target: KVTarget, regions: list[int]) -> list[Batch]:
         """One write a consumer rank of the target's blocks of ``regions`` (indices into this
-        model's cache regions); ValueError when the
-        target's caches are not this model's or it names a block the request does not hold."""
+        model's cache regions); ValueError when the target's caches are not this model's or it
+        names a block the request does not hold."""
         out = []
         for session, theirs in [(target.session, target.regions), *target.more]:
             if [(g, b) for g, _, b, _ in theirs] != [(g, b) for g, _, b, _ in self.regions]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,7 +22,7 @@ from fastdeploy.distributed.parallel import TPGroup
 from fastdeploy.input.grammar import token_bitmask
 from fastdeploy.kv_transfer.transport import Transport, make_transport
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
-from fastdeploy.model_executor.layers.attention.base_backend import IndexedCache
+from fastdeploy.model_executor.layers.attention.base_backend import IndexedCache, KVSpec
 from fastdeploy.model_executor.layers.device_sampler import DeviceSampler, Drawn
 from fastdeploy.model_executor.layers.linear import captured_gemms
 from fastdeploy.model_executor.layers.sampler import SampleResult
@@ -181,15 +181,20 @@ class GPUModelRunner:
         blocks): blocks are the tensors' first axis, so a block of a layer is one contiguous
         range (what a KV transfer moves, docs/design.md §4.20)."""
         out = []
-        for spec, cache in zip(self.kv_specs, self.caches, strict=False):
-            for t in cache if isinstance(cache, IndexedCache) else (cache,):
-                per_block = t.element_size() * int(np.prod(t.shape[1:]))
-                out.append((spec.group, t.data_ptr(), per_block, int(t.shape[0])))
+        for _, spec, t in self._kv_tensors():
+            per_block = t.element_size() * int(np.prod(t.shape[1:]))
+            out.append((spec.group, t.data_ptr(), per_block, int(t.shape[0])))
         return out
 
     def kv_region_layers(self) -> list[int]:
         """The layer that writes each of ``kv_regions`` (the MTP layer: ``num_hidden_layers``)."""
-        return [i for i, c in enumerate(self.caches) for _ in (c if isinstance(c, IndexedCache) else (c,))]
+        return [layer for layer, _, _ in self._kv_tensors()]
+
+    def _kv_tensors(self) -> Iterator[tuple[int, KVSpec, paddle.Tensor]]:
+        """(layer, its KV spec, a cache tensor of it) in ``kv_regions``' order."""
+        for layer, (spec, cache) in enumerate(zip(self.kv_specs, self.caches, strict=False)):
+            for t in cache if isinstance(cache, IndexedCache) else (cache,):
+                yield layer, spec, t
 
     def step_inputs(self, scheduled: list[tuple[Request, int]]) -> StepInputs:
         """The step's host arrays (``build_step_inputs``), decode steps padded to their bucket."""
