@@ -1,19 +1,35 @@
 """Captured draft passes (docs/design.md §4.16, §4.11): after a step that ran captured (a decode
-or a verify step of bucket B), the MTP layer's k passes run as one graph of that bucket too.
+or a verify step of bucket B), the acceptance of its drafts and the MTP layer's k passes run as
+one graph of that bucket too, so nothing between the step's draw and its drafts waits for the
+host.
 
 A bucket's draft body reads nothing but ``staging``, an int32 device buffer allocated once, and
 the decode step's own outputs (its ForwardMeta and hidden states, tensors the decode graph owns).
-For B rows and R = ``requests[B]`` drafting requests, a step uses its first B + 3R entries:
+For B rows and R = ``requests[B]`` requests (those of the step, then padding ones) it uses the
+first 5B + 6R entries:
 
-    next_ids [B] | rows [R] | pos [R] | depth [R]
+    token [B] | ok [B] | request [B] | index [B] | draft [B]
+    | first [R] | drafts [R] | start [R] | left [R] | covered [R] | may_draft [R]
 
-(``DraftStep``'s fields: the token after each row; per drafting request its row, that row's
-position and how many drafts it takes; padding requests: row 0, depth 0). Pass 1 runs the MTP
-layer over every row of the step with the step's meta and arg-maxes at each request's row;
-passes 2..k run one row a request at positions pos + 1, ..., with the request's tables (its
-row's, gathered from the decode step's staging). A request past its depth (and a padding one)
-runs those passes at position 0 over the null block, as padding rows do, and its drafts there
-are dropped on the host. The drafts [R, k] come back in one copy, as the eager passes' do.
+Per row: its drawn token, whether it was drawn and finite, its request, its index among the
+request's rows and the draft its sample is compared with (-1 for a request's last row). Per
+request: its first row, its drafts verified, the position of its first row, ``left`` (the tokens
+max_tokens and max_model_len still allow before this step's, ``Request.draft_room``), the tokens
+its tables cover and whether it may draft (a grammar waiting for its start token may not).
+Padding rows: index past any acceptance; padding requests: zeros. The body accepts each request's
+leading rows whose sample equals their draft, plus the row after (``verify_drafts`` on the
+device), then does what ``MTPProposer.plan`` does on the host: pass 1 runs the MTP layer over
+every row, each reading the accepted token after it (0 past them), and arg-maxes at the row of
+each request's last accepted token; passes 2..k run one row a request at positions pos + 1, ...,
+with the request's tables (gathered from the decode step's staging), as deep as k, its room and
+its blocks allow. A request past its depth (and a padding one) runs those passes at position 0
+over the null block, as padding rows do. Out: int64 [R, k + 2], each request's accepted tokens,
+its depth and its drafts, copied back once.
+
+The tokens come from the step's draw on the device when every row was drawn at once (the usual
+case; then the host uploads the rest and nothing waits), or from the host's own verification
+(requests with penalties draw depth by depth), written as drawn tokens with ok 0 where the host
+drew none.
 """
 
 from __future__ import annotations
@@ -27,15 +43,14 @@ import paddle
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.worker.decode_graphs import DecodeGraphs
-from fastdeploy.worker.step_inputs import DraftStep
 
 logger = logging.getLogger("fastdeploy")
 
 
 class DraftGraphs:
-    """The draft passes of each of ``decode``'s buckets. ``requests[B]``: the drafting requests a
-    bucket of B rows holds (B for a decode bucket, B / (k + 1) for a verify bucket only); a step
-    with more runs its passes eagerly."""
+    """The acceptance and draft passes of each of ``decode``'s buckets. ``requests[B]``: the
+    requests a bucket of B rows holds (B for a decode bucket, B / (k + 1) for a verify bucket
+    only); a step with more runs its passes eagerly."""
 
     def __init__(
         self,
@@ -48,34 +63,89 @@ class DraftGraphs:
     ) -> None:
         self.mtp, self.cache, self.builder, self.decode, self.k = mtp, cache, builder, decode, k
         self.requests = {B: B if B in decode_buckets else B // (k + 1) for B in decode.buckets}
-        top = decode.buckets[-1]
-        self.staging = paddle.zeros([top + 3 * max(self.requests.values())], "int32")
+        self.staging = paddle.zeros([max(self.size(B) for B in decode.buckets)], "int32")
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, paddle.Tensor] = {}
         self.replays = 0  # draft passes run captured
 
-    def takes(self, msg: DraftStep, rows: int) -> bool:
-        """Whether the draft passes over a captured step of ``rows`` rows run captured."""
-        return (
-            rows in self.requests
-            and 0 < len(msg.rows) <= self.requests[rows]
-            and len(msg.next_ids) <= rows
-            and not msg.write_cache
-        )
+    def size(self, B: int) -> int:
+        """The staging entries a step of bucket B uses."""
+        return 5 * B + 6 * self.requests[B]
 
-    def host_buffer(self, msg: DraftStep, B: int) -> np.ndarray:
-        """int32 [B + 3R]: next_ids, rows, pos, depth, each padded (``staging``'s layout)."""
-        pad = self.requests[B] - len(msg.rows)
-        parts = [msg.next_ids + [0] * (B - len(msg.next_ids))]
-        parts += [v + [0] * pad for v in (msg.rows, msg.pos, msg.depth)]
-        return np.concatenate([np.asarray(p, np.int32) for p in parts])
+    def takes(self, rows: int, requests: int) -> bool:
+        """Whether the draft passes over a captured step of ``rows`` rows and ``requests``
+        requests run captured."""
+        return rows in self.requests and requests <= self.requests[rows]
+
+    def host_buffer(
+        self,
+        B: int,
+        drafts: list[list[int]],
+        start: list[int],
+        left: list[int],
+        covered: list[int],
+        may_draft: list[bool],
+        verified: list | None = None,
+    ) -> np.ndarray:
+        """int32 [5B + 6R] in ``staging``'s layout for the step's requests (each one's verified
+        ``drafts``, first position, room, covered tokens and whether it may draft). Tokens and ok
+        are 0 unless ``verified`` (the host's results, a list of samples or an exception a
+        request) gives them."""
+        R = self.requests[B]
+        rows = np.zeros((5, B), np.int64)
+        rows[3] = self.k + 2  # padding rows: past any acceptance
+        reqs = np.zeros((6, R), np.int64)
+        at = 0
+        for b, d in enumerate(drafts):
+            n = len(d) + 1
+            rows[2, at : at + n] = b
+            rows[3, at : at + n] = np.arange(n)
+            rows[4, at : at + n] = d + [-1]
+            if verified is not None and isinstance(verified[b], list):
+                got = [r.token_id for r in verified[b]]
+                rows[0, at : at + len(got)] = got
+                rows[1, at : at + len(got)] = 1
+            reqs[:, b] = (at, len(d), start[b], left[b], covered[b], may_draft[b])
+            at += n
+        return np.concatenate([rows.reshape(-1), reqs.reshape(-1)]).astype(np.int32)
+
+    def load(
+        self, B: int, buf: np.ndarray, tokens: paddle.Tensor | None = None, ok: paddle.Tensor | None = None
+    ) -> None:
+        """One copy of ``host_buffer``'s array for bucket B into ``staging``; then, when the step
+        drew every row at once, its ``tokens`` int64 [T] and ``ok`` bool [T] over the first T
+        rows (device copies)."""
+        self.staging[: buf.shape[0]] = paddle.to_tensor(buf, place=self.staging.place)
+        if tokens is not None:
+            T = tokens.shape[0]
+            self.staging[:T] = tokens.astype("int32")
+            self.staging[B : B + T] = ok.astype("int32")
+
+    def accept(self, B: int) -> tuple[paddle.Tensor, ...]:
+        """From ``staging`` (bucket B): next_ids [B] (the accepted token after each row, 0 past
+        them), and per request its accepted tokens, row, position and depth [R], int64."""
+        R, s = self.requests[B], self.staging
+        tok, ok, req, index, draft = (s[i * B : (i + 1) * B].astype("int64") for i in range(5))
+        first, m, start, left, covered, may = (s[5 * B + i * R : 5 * B + (i + 1) * R].astype("int64") for i in range(6))
+        eq = (tok == draft).astype("int64") * ok
+        zero = paddle.zeros([1], "int64")
+        missed = paddle.concat([zero, paddle.cumsum(1 - eq)])  # missed[t]: rows before t whose draft missed
+        # reached: no row of its request before it missed (then its sample is kept when finite)
+        reached = (missed[:B] == paddle.gather(paddle.gather(missed, first), req)).astype("int64")
+        kept = paddle.concat([zero, paddle.cumsum(reached * ok)])
+        accepted = paddle.gather(kept, first + m + 1) - paddle.gather(kept, first)
+        next_ids = paddle.where(index < paddle.gather(accepted, req), tok, paddle.zeros_like(tok))
+        last = paddle.clip(accepted - 1, min=0)
+        pos = start + last
+        room = paddle.minimum(left - accepted - 1, covered - pos)
+        depth = paddle.clip(room, 0, self.k) * may * (accepted > 0).astype("int64")
+        return next_ids, accepted, first + last, pos, depth
 
     def body(self, B: int, meta: ForwardMeta, hidden: paddle.Tensor) -> paddle.Tensor:
-        """The k passes of bucket B over the decode step's ``meta`` and ``hidden`` [B, hidden]:
-        arg-max drafts int64 [R, k] (device ops only)."""
-        R, s = self.requests[B], self.staging
-        ids = s[:B].astype("int64")
-        rows, pos, depth = (s[B + i * R : B + (i + 1) * R].astype("int64") for i in range(3))
+        """Bucket B's acceptance and k passes over the decode step's ``meta`` and ``hidden``
+        [B, hidden] (device ops only): int64 [R, k + 2], accepted tokens, depth, then drafts."""
+        R = self.requests[B]
+        ids, accepted, rows, pos, depth = self.accept(B)
         x = self.mtp(ids, hidden, meta, self.cache)
         drafts = [paddle.argmax(self.mtp.compute_logits(x, rows), axis=1)]
         x = paddle.gather(x, rows)
@@ -89,15 +159,14 @@ class DraftGraphs:
             step = self.builder.build_decode(drafts[-1], at, tabs, self.decode.max_model_len)
             x = self.mtp(drafts[-1], x, step, self.cache)
             drafts.append(paddle.argmax(self.mtp.compute_logits(x, paddle.arange(R)), axis=1))
-        return paddle.stack(drafts, axis=1)
+        return paddle.concat([accepted.unsqueeze(1), depth.unsqueeze(1), paddle.stack(drafts, axis=1)], axis=1)
 
     def capture(self) -> None:
-        """Each bucket, over padding (no drafting request) and the decode graph's outputs: run
-        once, then captured on a CUDA device."""
+        """Each bucket, over padding (no request) and the decode graph's outputs: run once, then
+        captured on a CUDA device."""
         for B in reversed(self.decode.buckets):
             started = time.monotonic()
-            empty = DraftStep([], [], [], [], [])
-            self.staging[: B + 3 * self.requests[B]] = paddle.to_tensor(self.host_buffer(empty, B))
+            self.load(B, self.host_buffer(B, [], [], [], [], []))
             # the decode graph's outputs (on CPU, where nothing is kept, a run of its body over padding)
             meta, hidden, _ = self.decode.outputs[B] if B in self.decode.outputs else self.decode.padding(B)
             self.body(B, meta, hidden)  # warm-up
@@ -111,20 +180,11 @@ class DraftGraphs:
             how = "captured" if B in self.graphs else "prepared (no CUDA: re-run at each step)"
             logger.info("draft passes of bucket %d %s in %.2f s", B, how, time.monotonic() - started)
 
-    def run(self, msg: DraftStep, meta: ForwardMeta, hidden: paddle.Tensor) -> np.ndarray:
-        """The drafts of a step ``takes`` accepted: int64 [D, k], -1 past a request's depth (as
-        ``MTPProposer.draft``'s). One copy in, the replay (or the body), one copy back."""
-        B = hidden.shape[0]
-        buf = self.host_buffer(msg, B)
-        self.staging[: buf.shape[0]] = paddle.to_tensor(buf, place=self.staging.place)
+    def run(self, B: int, meta: ForwardMeta, hidden: paddle.Tensor) -> paddle.Tensor:
+        """Bucket B's replay (or its body) over what ``staging`` holds: int64 [R, k + 2] on the
+        device (``body``)."""
         self.replays += 1
         if B in self.graphs:
             self.graphs[B].replay()
-            drafts = self.outputs[B]
-        else:
-            drafts = self.body(B, meta, hidden)
-        got = drafts[: len(msg.rows)].numpy()
-        out = np.full((len(msg.rows), self.k), -1, np.int64)
-        for i, d in enumerate(msg.depth):
-            out[i, :d] = got[i, :d]
-        return out
+            return self.outputs[B]
+        return self.body(B, meta, hidden)

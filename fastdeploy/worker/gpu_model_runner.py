@@ -23,18 +23,18 @@ from fastdeploy.input.grammar import token_bitmask
 from fastdeploy.kv_transfer.transport import Transport, make_transport
 from fastdeploy.model_executor.forward_meta import ForwardMeta, ForwardMetaBuilder
 from fastdeploy.model_executor.layers.attention.base_backend import IndexedCache, KVSpec
-from fastdeploy.model_executor.layers.device_sampler import DeviceSampler, Drawn
+from fastdeploy.model_executor.layers.device_sampler import DeviceSampler, Drawn, HostCopy
 from fastdeploy.model_executor.layers.linear import captured_gemms
 from fastdeploy.model_executor.layers.sampler import SampleResult
 from fastdeploy.model_executor.load_weight_utils import load_weights, parameter_bytes
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, layer_kv_specs
 from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitmask
-from fastdeploy.request import Request, sampling_batch
+from fastdeploy.request import Request
 from fastdeploy.worker.decode_graphs import DecodeGraphs
 from fastdeploy.worker.draft_graphs import DraftGraphs
 from fastdeploy.worker.kv_sizing import group_bytes_per_block, num_blocks_for, on_gpu
 from fastdeploy.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
-from fastdeploy.worker.speculation import MTPProposer, Results, verify_drafts
+from fastdeploy.worker.speculation import MTPProposer, Results, all_rows, rows_batch, verify_drafts
 from fastdeploy.worker.step_inputs import PLACEHOLDER, DraftStep, StepInputs, build_step_inputs
 
 logger = logging.getLogger("fastdeploy")
@@ -57,14 +57,16 @@ class PreparedStep:
 @dataclass(frozen=True)
 class RunningStep:
     """A launched step: its draw, or (rows verifying drafts, drawn at ``finish``) its logits on
-    the device (both None: no row samples), its prompt logprobs, and per sampling request the
-    drafts its rows verify."""
+    the device (both None: no row samples), its prompt logprobs, per sampling request the drafts
+    its rows verify, and (a captured step with speculation) the copy back of its acceptance and
+    next drafts, computed on the device behind the draw (``DraftGraphs``)."""
 
     prep: PreparedStep
     logits: paddle.Tensor | None
     drawn: Drawn | None
     prompt: PromptLogprobs | None
     drafts: list[list[int]]
+    proposal: HostCopy | None = None
 
 
 class GPUModelRunner:
@@ -276,11 +278,21 @@ class GPUModelRunner:
                 first = step.first_logit_rows
                 at = [first[i] + j for i in masked for j in range(len(step.sample_rows[i]))]
                 logits = apply_token_bitmask(logits, words, at, self.fd.kernel_config.triton)
-            drawn = None
-            if logits is not None and not any(drafts):
-                drawn = self.sampler.draw(logits, sampling_batch(reqs, outputs=prep.outputs))
-                self.drawn = (drawn.tokens, {r.request_id: b for b, r in enumerate(reqs)})
-            return RunningStep(prep, None if drawn is not None else logits, drawn, prompt, drafts)
+            drawn = proposal = None
+            # a captured step whose rows all draw at once: acceptance and drafts follow on the device
+            on_device = (
+                self.spec is not None
+                and len(reqs) == len(prep.scheduled)
+                and not any(r.sampling_state.penalized for r in reqs)
+                and self.spec.staged(len(reqs))
+            )
+            if logits is not None and (on_device or not any(drafts)):
+                drawn = self.sampler.draw(logits, rows_batch(reqs, drafts, prep.outputs, all_rows(drafts)))
+                if not any(drafts):
+                    self.drawn = (drawn.tokens, {r.request_id: b for b, r in enumerate(reqs)})
+                if on_device:
+                    proposal = HostCopy([self.stage_drafts(prep, drafts, drawn)])
+            return RunningStep(prep, None if drawn is not None else logits, drawn, prompt, drafts, proposal)
         except BaseException:
             self.launched_at.pop()
             raise
@@ -290,23 +302,32 @@ class GPUModelRunner:
         whose tokens are now all computed, its new tokens: one sample, or with drafts the
         accepted drafts then the target's own token (docs/design.md §4.16); or the exception
         sampling it raised; else None. Also the step's prompt logprobs (None when no request
-        asks). With speculation, the draft model then proposes each sampled request's next drafts
-        (``Request.draft_token_ids``)."""
+        asks). With speculation the draft model then runs over the step (every step: its cache
+        of the step's rows) and proposes each sampled request's next drafts
+        (``Request.draft_token_ids``), unless the launch queued them already (``proposal``)."""
         prep = running.prep
         try:
             results: Results = [None] * len(prep.scheduled)
-            if running.logits is None and running.drawn is None:
+            if running.logits is None and running.drawn is None:  # no row samples
+                if self.spec is not None and prep.scheduled:  # the MTP layer's cache of its rows (§4.16)
+                    self.propose_drafts(prep, running.drafts, results)
                 return results, running.prompt
             step = prep.step
             reqs = [prep.scheduled[i][0] for i in step.samples_at]
-            if running.drawn is not None:
+            if running.proposal is not None:  # accepted on the device: each request's first rows
+                samples = self.sampler.collect(running.drawn)
+                got = running.proposal.wait()[0][: len(reqs)]
+                first = step.first_logit_rows
+                verified = [samples[f : f + a] if a else samples[f] for f, a in zip(first, got[:, 0], strict=True)]
+                self.spec.take(prep.scheduled, reqs, got[:, 1], got[:, 2:])
+            elif running.drawn is not None:
                 verified = [[r] if isinstance(r, SampleResult) else r for r in self.sampler.collect(running.drawn)]
             else:  # rows verifying drafts: whether a row is used depends on the acceptance before it
                 verified = verify_drafts(self.sampler, running.logits, reqs, step.first_logit_rows, running.drafts)
             for i, r in zip(step.samples_at, verified, strict=True):
                 results[i] = r
-            if self.spec is not None:
-                self.propose_drafts(prep.scheduled, prep.starts, results)
+            if self.spec is not None and running.proposal is None:
+                self.propose_drafts(prep, running.drafts, results)
             return results, running.prompt
         finally:
             if self.launched_at:
@@ -323,18 +344,46 @@ class GPUModelRunner:
         """When the oldest step not yet finished was launched (None: none is running)."""
         return self.launched_at[0] if self.launched_at else None
 
-    def propose_drafts(self, scheduled: list[tuple[Request, int]], starts: list[int], results: Results) -> None:
-        """The driver: every rank runs the draft pass over this step; each sampled request gets
-        its next ``draft_token_ids`` (``MTPProposer``)."""
-        group = next(iter(self.num_blocks))
-        msg, drafting = self.spec.plan(
-            scheduled, starts, results, lambda r: len(r.block_tables[group]) * self.block_size
-        )
+    def propose_drafts(self, prep: PreparedStep, drafts: list[list[int]], results: Results) -> None:
+        """The driver, after a step's results are on the host: every rank runs the draft passes
+        over it; each sampled request gets its next ``draft_token_ids`` (``MTPProposer``). After
+        a captured step whose requests all sampled they run as its draft graph (``stage_drafts``,
+        the host's results as its drawn tokens), else eagerly as ``MTPProposer.plan`` says."""
+        if len(prep.step.samples_at) == len(prep.scheduled) and self.spec.staged(len(prep.scheduled)):
+            got = self.stage_drafts(prep, drafts, verified=results).numpy()[: len(prep.scheduled)]
+            self.spec.take(prep.scheduled, [r for r, _ in prep.scheduled], got[:, 1], got[:, 2:])
+            return
+        msg, drafting = self.spec.plan(prep.scheduled, prep.starts, results, self._covered)
         proposed = self.draft(self.tp.broadcast_object(msg))
-        self.spec.take(scheduled, drafting, msg.depth, proposed)
+        self.spec.take(prep.scheduled, drafting, msg.depth, proposed)
 
-    def draft(self, msg: DraftStep) -> np.ndarray:
-        """Every rank: ``MTPProposer.draft`` over the latest step, on the MTP layer's cache."""
+    def _covered(self, req: Request) -> int:
+        """The tokens ``req``'s block table holds (its first KV cache group's)."""
+        return len(req.block_tables[next(iter(self.num_blocks))]) * self.block_size
+
+    def stage_drafts(
+        self, prep: PreparedStep, drafts: list[list[int]], drawn: Drawn | None = None, verified: Results | None = None
+    ) -> paddle.Tensor:
+        """The driver, after a captured step ``MTPProposer.staged`` accepts: its draft graph's
+        inputs into the staging buffer (one copy, then the step's ``drawn`` tokens on the device,
+        or the host's ``verified`` results in the copy), sent to every rank, and the graph run:
+        int64 [R, k + 2] on the device (accepted tokens, depth, drafts a request)."""
+        B, buf = self.spec.stage(prep.scheduled, prep.starts, drafts, self._covered, verified)
+        self.spec.graphs.load(B, buf, *((drawn.tokens, drawn.ok) if drawn is not None else ()))
+        return self.draft(self.tp.broadcast_object(DraftStep([], [], [], [], [], staged=buf.shape[0])))
+
+    def draft(self, msg: DraftStep) -> np.ndarray | paddle.Tensor:
+        """Every rank: the draft passes over the latest step, on the MTP layer's cache: after a
+        captured step (``msg.staged``) the draft graph over the driver's staging buffer (device
+        int64 [R, k + 2]), else ``MTPProposer.draft`` (host int64 [D, k])."""
+        if msg.staged:
+            if self.tp.world_size > 1:
+                staging = self.spec.graphs.staging
+                buf = staging[: msg.staged] if self.tp.is_driver else paddle.zeros([msg.staged], "int32")
+                self.tp.broadcast(buf)
+                if not self.tp.is_driver:
+                    staging[: msg.staged] = buf
+            return self.spec.run_staged()
         return self.spec.draft(msg, self.caches[self.fd.model_config.num_hidden_layers], self.meta_builder)
 
     def serve_steps(self) -> None:

@@ -18,10 +18,25 @@ from fastdeploy.model_executor.load_weight_utils import load_weights
 from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fastdeploy.request import Request, sampling_batch
+from fastdeploy.sampling_params import SamplingBatch
 from fastdeploy.worker.draft_graphs import DraftGraphs
 from fastdeploy.worker.step_inputs import DraftStep, StepInputs
 
 Results = list[list[SampleResult] | Exception | None]
+
+
+def rows_batch(
+    reqs: list[Request], drafts: list[list[int]], outputs: Sequence[list[int]], rows: list[tuple[int, int]]
+) -> SamplingBatch:
+    """The sampler's view of verify rows (b, j): request b's row after its drafts[b][:j], those
+    drafts counted as its output after ``outputs[b]`` (each row samples as the request's next
+    token would without speculation)."""
+    return sampling_batch([reqs[b] for b, _ in rows], [drafts[b][:j] for b, j in rows], [outputs[b] for b, _ in rows])
+
+
+def all_rows(drafts: list[list[int]]) -> list[tuple[int, int]]:
+    """Every verify row (b, j) of a step, in the step's order."""
+    return [(b, j) for b, d in enumerate(drafts) for j in range(len(d) + 1)]
 
 
 def verify_drafts(
@@ -48,8 +63,7 @@ def verify_drafts(
     def draw(rows: list[tuple[int, int]]) -> list[SampleResult | Exception]:
         at = [int(first[b]) + j for b, j in rows]
         picked = logits if at == list(range(logits.shape[0])) else logits[paddle.to_tensor(at, dtype="int64")]
-        batch = sampling_batch([reqs[b] for b, _ in rows], [drafts[b][:j] for b, j in rows], [outs[b] for b, _ in rows])
-        return sampler.sample(picked, batch)
+        return sampler.sample(picked, rows_batch(reqs, drafts, outs, rows))
 
     def accept(b: int, j: int, r: SampleResult | Exception) -> bool:
         """Take row j's sample; whether row j + 1 is needed (the sample is its draft)."""
@@ -60,7 +74,7 @@ def verify_drafts(
         out[b].append(r)
         return j < len(drafts[b]) and r.token_id == drafts[b][j]
 
-    at_once = [(b, j) for b, r in enumerate(reqs) if not r.sampling_state.penalized for j in range(len(drafts[b]) + 1)]
+    at_once = [(b, j) for b, j in all_rows(drafts) if not reqs[b].sampling_state.penalized]
     got = dict(zip(at_once, draw(at_once), strict=True)) if at_once else {}
     for b in {b for b, _ in at_once}:
         j = 0
@@ -128,24 +142,49 @@ class MTPProposer:
                     depth.append(d)
                     drafting.append(req)
             row += n
-        write = any(req.kv_target is not None for req, _ in scheduled)  # a prompt whose KV another instance gets
-        return DraftStep(next_ids, rows, batch, pos, depth, write), drafting
+        return DraftStep(next_ids, rows, batch, pos, depth), drafting
+
+    def staged(self, requests: int) -> bool:
+        """Whether the draft passes over the latest step, of ``requests`` requests that all
+        sample, run captured (``DraftGraphs``): the step ran captured and its bucket holds them."""
+        _, meta, hidden = self.last_step
+        return self.graphs is not None and meta.captured and self.graphs.takes(hidden.shape[0], requests)
+
+    def stage(
+        self,
+        scheduled: list[tuple[Request, int]],
+        starts: list[int],
+        drafts: list[list[int]],
+        covered: Callable[[Request], int],
+        verified: Results | None = None,
+    ) -> tuple[int, np.ndarray]:
+        """The driver, for a step ``staged`` accepts: its bucket and the draft graph's host buffer
+        (``DraftGraphs.host_buffer``), what ``plan`` reads, per request: the ``drafts`` it
+        verifies, its first position, its room, its ``covered`` tokens and whether it may draft;
+        ``verified``: the host's results, when the host verified the drafts."""
+        B = self.last_step[2].shape[0]
+        reqs = [r for r, _ in scheduled]
+        left = [r.draft_room(self.max_model_len) + 1 if r.kv_target is None else 2 * self.k + 2 for r in reqs]
+        may = [r.matcher is None or r.constrained for r in reqs]
+        return B, self.graphs.host_buffer(B, drafts, starts, left, [covered(r) for r in reqs], may, verified)
+
+    def run_staged(self) -> paddle.Tensor:
+        """Every rank: the draft graph of the latest step's bucket over its staging (int64
+        [R, k + 2] on the device: accepted tokens, depth, drafts; ``DraftGraphs.body``)."""
+        _, meta, hidden = self.last_step
+        return self.graphs.run(hidden.shape[0], meta, hidden)
 
     def draft(self, msg: DraftStep, cache: paddle.Tensor, builder: ForwardMetaBuilder) -> np.ndarray:
         """Every rank: the draft model over the latest step (its meta and the target's hidden
-        states), each row reading the token after it (``next_ids``); then for each drafting
-        request (``rows``: its row of the step, ``pos``: that row's position) ``depth`` - 1 more
-        one-token passes on its own drafts at positions pos + 1, ... (their KV is rewritten when
-        the target computes those positions). Each pass's drafts feed the next on the device; they
-        come back in one copy at the end. After a captured step the passes run as its bucket's
-        draft graph (``DraftGraphs``) when it takes them. Arg-max drafts int64 [D, k], -1 past a
-        request's depth."""
+        states), each row reading the token after it (``next_ids``), which writes the MTP layer's
+        cache of every row (also where no request drafts: later drafts read it); then for each
+        drafting request (``rows``: its row of the step, ``pos``: that row's position) ``depth``
+        - 1 more one-token passes on its own drafts at positions pos + 1, ... (their KV is
+        rewritten when the target computes those positions). Each pass's drafts feed the next on
+        the device; they come back in one copy at the end. Arg-max drafts int64 [D, k], -1 past a
+        request's depth. (After a captured step the passes run as ``DraftGraphs``.)"""
         step, meta, hidden = self.last_step
         out = np.full((len(msg.rows), self.k), -1, np.int64)
-        if not msg.rows and not msg.write_cache:
-            return out
-        if self.graphs is not None and meta.captured and self.graphs.takes(msg, hidden.shape[0]):
-            return self.graphs.run(msg, meta, hidden)
         pad = [0] * (hidden.shape[0] - len(msg.next_ids))  # a captured step's padding rows (null blocks)
         x = self.model(paddle.to_tensor(msg.next_ids + pad, dtype="int64"), hidden, meta, cache)
         if not msg.rows:  # the cache written, nothing to draft

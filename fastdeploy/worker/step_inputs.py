@@ -61,16 +61,16 @@ class StepInputs:
 class DraftStep:
     """The draft pass over the latest step (``MTPProposer.draft``): ``next_ids`` the token after
     each of its rows (0 where not known); per drafting request its row, batch index, the row's
-    position and how many drafts it takes. ``write_cache``: run the draft model over the step
-    even when no request drafts, for the MTP layer's cache of its rows (a prefill instance's
-    prompts, whose KV a decode instance drafts from; docs/design.md §4.20)."""
+    position and how many drafts it takes. ``staged``: none of these lists is sent; the driver
+    computed them on the device after a captured step (``DraftGraphs.stage``) and broadcasts its
+    draft staging buffer's first ``staged`` int32 entries next."""
 
     next_ids: list[int]
     rows: list[int]
     batch: list[int]
     pos: list[int]
     depth: list[int]
-    write_cache: bool = False
+    staged: int = 0
 
 
 def build_step_inputs(

@@ -457,6 +457,96 @@ def test_verify_bodies_never_sync_the_host(mtp_model_dir, rng, monkeypatch):
     assert sorted(set(drafts)) == [1, 4] and drafts.count(4) > 1  # the draft passes after them too
 
 
+def test_captured_speculation_launches_without_waiting(mtp_model_dir, rng, monkeypatch):
+    """A captured speculating step queues its draw, the acceptance of its drafts and the next
+    drafts with no host sync between them (uploads allowed): the whole launch runs with host
+    copies and data-dependent shapes raising; finish then takes one copy back. The step's
+    outcome is checked against an eager engine elsewhere (test_captured_verify_steps_give_the_eager_tokens)."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    kw = dict(block_size=16, max_num_seqs=2, max_model_len=96, speculative_config=spec, kernel_backend="triton")
+    eng = LLM(mtp_model_dir, cuda_graph_batch_sizes="2", cuda_graph_capture=True, **kw).engine
+    launch, staged = eng.runner.launch, []
+
+    def guarded(prep, *a):
+        decoding = prep.scheduled and all(r.output_token_ids for r, _ in prep.scheduled)
+        if not decoding:  # prefill chunks run eagerly
+            return launch(prep, *a)
+        with NoHostSync():
+            running = launch(prep, *a)
+        staged.append(running.proposal is not None)
+        return running
+
+    monkeypatch.setattr(eng.runner, "launch", guarded)
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+    for i in range(2):
+        eng.add_request([int(x) for x in rng.integers(4, 256, 11 + 7 * i)], sp, f"r{i}")
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            assert o.outputs[0].finish_reason != "error", o.error
+    assert staged and all(staged) and eng.spec.num_accepted_tokens > 0
+
+
+def accept_reference(tok, ok, drafts, start, left, covered, may, k):
+    """numpy: per request (drafts d, verify rows first .. first + len(d)) the rows kept (each
+    while the one before matched its draft; a row not drawn or not finite ends it), then what the
+    host's plan does with them: the accepted token after each row (0 past them), and the row,
+    position and depth (k, the room, the blocks) of the last accepted token."""
+    next_ids, out, at = np.zeros(len(tok), np.int64), [], 0
+    for b, d in enumerate(drafts):
+        a = 0
+        for j in range(len(d) + 1):
+            if not ok[at + j]:
+                break
+            a += 1
+            if j == len(d) or tok[at + j] != d[j]:
+                break
+        next_ids[at : at + a] = tok[at : at + a]
+        last = max(a - 1, 0)
+        room = min(k, left[b] - a - 1, covered[b] - (start[b] + last))
+        out.append((a, at + last, start[b] + last, max(room, 0) if a and may[b] else 0))
+        at += len(d) + 1
+    return next_ids, out
+
+
+def test_acceptance_on_the_device_matches_the_reference(mtp_model_dir, rng):
+    """The draft graph's acceptance (``DraftGraphs.accept``) against a numpy reference on random
+    steps of each bucket: drafts of 0..k tokens, samples equal to their draft 60% of the time,
+    rows not finite, requests that may not draft, rooms and blocks that stop the depth at 0..k;
+    padding rows and requests after them."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 3}'
+    eng = LLM(
+        mtp_model_dir,
+        block_size=16,
+        max_num_seqs=2,
+        speculative_config=spec,
+        cuda_graph_batch_sizes="1,2",
+        cuda_graph_capture=True,
+    ).engine
+    graphs, k = eng.runner.spec.graphs, 3
+    for B, R in sorted(graphs.requests.items()):
+        for _ in range(25):
+            n, cap = int(rng.integers(1, R + 1)), min(k, B // R - 1)  # a decode bucket's rows: no drafts
+            drafts = [[int(x) for x in rng.integers(0, 50, int(rng.integers(0, cap + 1)))] for _ in range(n)]
+            T = sum(len(d) + 1 for d in drafts)
+            wanted = np.concatenate([d + [-1] for d in drafts])
+            tok = np.where(rng.random(T) < 0.6, wanted, rng.integers(0, 50, T)).astype(np.int64)
+            tok[tok < 0] = rng.integers(0, 50, int((tok < 0).sum()))
+            ok = rng.random(T) < 0.9
+            start = [int(x) for x in rng.integers(0, 100, len(drafts))]
+            left = [int(x) for x in rng.integers(0, 8, len(drafts))]
+            covered = [s + int(x) for s, x in zip(start, rng.integers(0, 8, len(drafts)), strict=True)]
+            may = [bool(x) for x in rng.random(len(drafts)) < 0.8]
+            buf = graphs.host_buffer(B, drafts, start, left, covered, may)
+            graphs.load(B, buf, paddle.to_tensor(tok), paddle.to_tensor(ok))
+            ids, accepted, rows, pos, depth = (t.numpy() for t in graphs.accept(B))
+            want_ids, want = accept_reference(tok, ok, drafts, start, left, covered, may, k)
+            np.testing.assert_array_equal(ids[:T], want_ids)
+            assert not ids[T:].any()  # padding rows read token 0
+            got = list(zip(accepted, rows, pos, depth, strict=True))[: len(drafts)]
+            assert [tuple(int(v) for v in g) for g in got] == want
+            assert not depth[len(drafts) :].any()  # padding requests draft nothing
+
+
 def test_one_copy_fills_the_step_buffer(tiny_model_dir):
     """A step's ids, positions and its tables' first w columns (w: its longest row) land in the
     step buffer; columns past w keep an earlier step's entries (nothing reads past a row's

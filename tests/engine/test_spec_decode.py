@@ -345,3 +345,21 @@ def test_structured_outputs_and_speculation_compose(mtp_model_dir, rng):
     while alone.has_unfinished_requests():
         alone.step()
     assert alone.spec.num_draft_tokens > 0 and alone.spec.num_accepted_tokens > 0
+
+
+def test_drafts_unchanged_by_chunking_the_prompt(mtp_model_dir, rng):
+    """Every step runs the MTP layer, prefill chunks that sample nothing included, so its cache
+    holds every prompt position: a 100-token prompt in one chunk or in chunks of 16, 24 and 40
+    tokens (below, at and above a block, below and above W) gives the same drafts, proposed and
+    accepted at each position (a chunk without its MTP pass leaves stale cache under later
+    drafts)."""
+    prompt = [int(x) for x in rng.integers(4, 256, 100)]
+    sp = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 40}
+    stats = []
+    for budget in (256, 16, 24, 40):
+        eng = engine(mtp_model_dir, 2, enable_prefix_caching=False, max_num_batched_tokens=budget)
+        out = drive(eng, {0: [("r", prompt, sp, None)]})
+        s = eng.spec
+        stats.append((out["r"].outputs[0].token_ids, s.num_drafts, s.num_draft_tokens, list(s.accepted_per_pos)))
+    assert stats[0][1] > 0 and stats[0][3][0] > 0
+    assert all(x == stats[0] for x in stats[1:]), stats

@@ -71,11 +71,13 @@ class HostCopy:
 @dataclass(frozen=True)
 class Drawn:
     """A launched draw: the drawn tokens int64 [B] on the device (a step launched behind it takes
-    its placeholders' tokens from them), the rows' states, the rows that want top logprobs, and
-    the copy to the host of [B, 3] (token, logprob, not finite) and of those rows' top logprobs
-    and ids [rows, N] (the logits need not outlive the draw)."""
+    its placeholders' tokens from them; captured speculation accepts drafts on them), whether each
+    row's logits were finite (bool [B], on the device), the rows' states, the rows that want top
+    logprobs, and the copy to the host of [B, 3] (token, logprob, not finite) and of those rows'
+    top logprobs and ids [rows, N] (the logits need not outlive the draw)."""
 
     tokens: paddle.Tensor
+    ok: paddle.Tensor
     states: list[SamplingState]
     top_rows: list[int]
     host: HostCopy
@@ -192,7 +194,8 @@ class DeviceSampler:
         want = [st.logprobs or 0 for st in batch.states]
         top_rows, tops = self._top_logprobs(logits, out.lse, want)
         got = paddle.stack([out.tokens.astype("float32"), out.logprobs, out.bad.astype("float32")], 1)
-        return Drawn(out.tokens.astype("int64"), list(batch.states), top_rows, HostCopy([got, *tops]))
+        tokens, ok = out.tokens.astype("int64"), paddle.logical_not(out.bad)
+        return Drawn(tokens, ok, list(batch.states), top_rows, HostCopy([got, *tops]))
 
     def collect(self, drawn: Drawn) -> list[SampleResult | Exception]:
         """The draw's results on the host: one [B, 3] copy (the step's sync point), plus the top
