@@ -89,17 +89,15 @@ def timed_sampler(runner, max_rows: int, clock: DeviceClock) -> None:
     sampler.draw, sampler.collect = timed_draw, timed_collect
 
 
+def bench_engine(model_dir: str, n: int, overlap: bool, **kw) -> LLMEngine:
+    """An engine for n decoding requests of the benchmark's prompts; ``kw``: more engine args."""
+    args = dict(max_num_seqs=n, max_num_batched_tokens=max(2048, 64 * n), max_model_len=2048)
+    return LLMEngine(EngineArgs(model=model_dir, async_scheduling=overlap, **args, **kw))
+
+
 def run_case(model_dir: str, n: int, device_ms: float, overlap: bool, steps: int) -> float:
     """Median ms of a decode step of n requests (all decoding), the stand-in ``device_ms`` long."""
-    engine = LLMEngine(
-        EngineArgs(
-            model=model_dir,
-            max_num_seqs=n,
-            max_num_batched_tokens=max(2048, 64 * n),
-            max_model_len=2048,
-            async_scheduling=overlap,
-        )
-    )
+    engine = bench_engine(model_dir, n, overlap)
     runner, clock = engine.runner, DeviceClock(device_ms)
     logits = paddle.to_tensor(np.random.default_rng(0).standard_normal((n, VOCAB)).astype(np.float32))
     runner.model = TimedModel(runner.model, logits, clock)

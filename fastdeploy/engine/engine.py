@@ -10,7 +10,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastdeploy.cache_manager.block_manager import BlockManager
 from fastdeploy.config import FULL_GROUP, SWA_GROUP, FDConfig, swa_blocks_per_request
@@ -86,6 +86,7 @@ class Launched:
     drafts: list[int]
     samples: set[int]
     running: RunningStep | Exception
+    chained: bool = False  # launched behind a speculating step, from its acceptance on the device
 
     def finish(self, runner: GPUModelRunner) -> tuple[Results, PromptLogprobs | None]:
         """Its results and prompt logprobs (waits for the device); raises what the step raised."""
@@ -198,6 +199,7 @@ class LLMEngine(RequestMaker):
         self.num_request_errors = 0
         self.finish_listeners: list = []  # callables(request_id, reason) for aborted or failed requests
         self.in_flight: Launched | None = None  # the step launched last, not yet taken (overlapped loop)
+        self.num_chained_steps = 0  # verify steps launched behind a speculating step (§4.18)
         self.kv: KVHandoff | None = None  # prefill / decode disaggregation (docs/design.md §4.20)
         if self.config.kv_transfer_config.kv_connector is not None:
             layers = self.runner.kv_region_layers()
@@ -317,7 +319,12 @@ class LLMEngine(RequestMaker):
             sched = self._schedule()
             if sched.scheduled:
                 self.in_flight = self._launch(sched)
-        return self._take(running)
+        elif self.config.scheduler_config.async_scheduling and self._may_chain(running):
+            self.in_flight = self._launch_chained(running)
+        outputs = self._take(running)
+        if self.in_flight is not None and self.in_flight.chained:
+            self.in_flight = self._resolve(self.in_flight)
+        return outputs
 
     def _may_overlap(self, running: Launched) -> bool:
         """Whether the next step may be launched before the running one's tokens are on the host:
@@ -329,6 +336,70 @@ class LLMEngine(RequestMaker):
             and not self.spec.k
             and all(r.matcher is None for r in self.requests.values())
         )
+
+    def _may_chain(self, running: Launched) -> bool:
+        """Whether the next verify step may be launched behind a running speculating step, its
+        tokens, positions and drafts taken from that step's acceptance on the device
+        (docs/design.md §4.18): the running step accepted on the device (captured), it holds
+        every running request and none waits, their k + 1 rows each fit the token budget, none
+        has penalties, a grammar, a KV target or min_tokens left, and each one's blocks cover the
+        longest acceptance of both steps and the drafts after them (taken here; False when a
+        pool is short)."""
+        r = running.running
+        if not isinstance(r, RunningStep) or r.proposal is None or self.scheduler.waiting:
+            return False
+        reqs = [req for req, _ in running.prep.scheduled]
+        k, sc = self.spec.k, self.config.scheduler_config
+        if len(reqs) != len(self.scheduler.running) or len(reqs) * (k + 1) > sc.max_num_batched_tokens:
+            return False
+        if not self.runner.can_chain(len(reqs)):
+            return False
+        limit = sc.max_model_len
+        need = [start + 3 * k + 1 for start in running.prep.starts]  # positions up to start + 2k + 1, then k - 1 drafts
+        for req, n in zip(reqs, need, strict=True):
+            st = req.sampling_state
+            if (
+                req.is_finished
+                or req.status != RequestStatus.RUNNING
+                or st.penalized
+                or req.matcher is not None
+                or req.kv_target is not None
+                or len(req.output_token_ids) < st.min_tokens
+                or n > limit
+            ):
+                return False
+        each = zip(reqs, need, strict=True)
+        return all(self.block_manager.allocate(req, n - req.num_computed_tokens) for req, n in each)
+
+    def _launch_chained(self, running: Launched) -> Launched:
+        """Launch the verify step of ``running``'s requests behind it (``GPUModelRunner.prepare_chained``):
+        each request's token in flight and its sample pending are counted now, its computed
+        tokens, starts and drafts once ``running`` is taken (``_resolve``)."""
+        reqs = [req for req, _ in running.prep.scheduled]
+        prep = self.runner.prepare_chained(reqs)
+        for req in reqs:
+            req.inflight_tokens += 1
+            req.pending_tokens += 1
+        self.num_chained_steps += 1
+        try:
+            step: RunningStep | Exception = self.runner.launch(prep, None, running.running)
+        except Exception as e:  # noqa: BLE001 - pinned to its requests in _take
+            step = e
+        return Launched(prep, [self.spec.k] * len(reqs), set(range(len(reqs))), step, chained=True)
+
+    def _resolve(self, chained: Launched) -> Launched:
+        """A chained step once the step before is taken: each request verifies the drafts it
+        now holds (those the step before proposed) from its computed tokens, and counts its
+        last token as computed (as ``_launch`` does at launch)."""
+        reqs = [req for req, _ in chained.prep.scheduled]
+        drafts = [0 if req.is_finished else len(req.draft_token_ids) for req in reqs]
+        scheduled = [(req, m + 1) for req, m in zip(reqs, drafts, strict=True)]
+        prep = replace(chained.prep, scheduled=scheduled, starts=[req.num_computed_tokens for req in reqs])
+        for req in reqs:
+            if not req.is_finished and req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens += 1
+        step = replace(chained.running, prep=prep) if isinstance(chained.running, RunningStep) else chained.running
+        return replace(chained, prep=prep, drafts=drafts, running=step)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()

@@ -169,11 +169,16 @@ class DecodeGraphs:
     ) -> tuple[ForwardMeta, paddle.Tensor, paddle.Tensor]:
         """ForwardMeta, hidden states and logits [B, vocab] of a step ``takes`` accepted, its
         tokens as the bucket's first rows: one copy into ``staging`` (then, for placeholder rows
-        ``at`` int64 [P], their tokens ``filled`` int64 [P] from the device), then the bucket's
-        replay (or its body)."""
+        ``at`` int64 [P], their tokens ``filled`` int64 [P] from the device; for a chained step,
+        ``filled`` int64 [2T] its tokens then its positions), then the bucket's replay (or its
+        body)."""
         B, ids, pos, tables = self.rows_of(step)
         self.fill(self.host_buffer(ids, pos, tables), B)
-        if at is not None:
+        if step.chained:
+            T = len(step.input_ids)
+            self.staging[:T] = filled[:T].astype("int32")
+            self.staging[B : B + T] = filled[T:].astype("int32")
+        elif at is not None:
             self.staging[:B] = paddle.scatter(self.staging[:B], at, filled.astype("int32"))
         self.replays += 1
         if B in self.graphs:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import paddle
@@ -45,6 +46,21 @@ from fastdeploy.model_executor.models.deepseek_mtp import DeepseekV3MTP
 from fastdeploy.worker.decode_graphs import DecodeGraphs
 
 logger = logging.getLogger("fastdeploy")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A chained verify step's inputs, made on the device from the step before (``DraftGraphs.chain``):
+    ``ids_pos`` int64 [2T] its rows' tokens then positions; ``draft`` int64 [T] the draft each
+    row's sample is checked against (-1: none); per request ``start`` (its first position) and the
+    step before's ``accepted`` tokens [R]; ``shift`` int64 [T] each row's draw step past its
+    position were only one token accepted before (``DeviceSampler.draw``)."""
+
+    ids_pos: paddle.Tensor
+    draft: paddle.Tensor
+    start: paddle.Tensor
+    accepted: paddle.Tensor
+    shift: paddle.Tensor
 
 
 class DraftGraphs:
@@ -120,6 +136,35 @@ class DraftGraphs:
             T = tokens.shape[0]
             self.staging[:T] = tokens.astype("int32")
             self.staging[B : B + T] = ok.astype("int32")
+
+    def chain(self, tokens: paddle.Tensor, out: paddle.Tensor, first: list[int], start: list[int]) -> Chain:
+        """The verify step chained behind a step (docs/design.md §4.18) from that step's drawn
+        ``tokens`` int64 [T'] and its draft graph's ``out`` int64 [R', k + 2] on the device, with
+        each of its R requests' ``first`` row and ``start`` position (host): per request k + 1
+        rows, its bonus token (the sample of its last accepted row) then its drafts (0 past its
+        depth) at the positions after its accepted tokens."""
+        R, n = len(first), self.k + 1
+        accepted, depth, drafts = out[:R, 0], out[:R, 1], out[:R, 2:]
+        last = paddle.to_tensor(first, dtype="int64") + paddle.clip(accepted - 1, min=0)
+        within = paddle.arange(self.k, dtype="int64").unsqueeze(0) < depth.unsqueeze(1)
+        checked = paddle.where(within, drafts, paddle.full_like(drafts, -1))  # never equal past the depth
+        ids = paddle.concat([paddle.gather(tokens, last).unsqueeze(1), paddle.clip(checked, min=0)], 1)
+        first_pos = paddle.to_tensor(start, dtype="int64") + accepted
+        pos = first_pos.unsqueeze(1) + paddle.arange(n, dtype="int64").unsqueeze(0)
+        column = paddle.concat([checked, paddle.full([R, 1], -1, "int64")], 1).reshape([-1])
+        shift = (accepted - 1).unsqueeze(1).expand([R, n]).reshape([-1])
+        return Chain(paddle.concat([ids.reshape([-1]), pos.reshape([-1])]), column, first_pos, accepted, shift)
+
+    def load_chained(self, B: int, chain: Chain) -> None:
+        """After ``load`` of a chained step's host buffer (its drafts, start and room as if none
+        were accepted): its drafts checked, first positions and rooms from ``chain`` (device ops)."""
+        R, T = self.requests[B], chain.draft.shape[0]
+        at = 5 * B
+        self.staging[4 * B : 4 * B + T] = chain.draft.astype("int32")
+        n = chain.start.shape[0]
+        self.staging[at + 2 * R : at + 2 * R + n] = chain.start.astype("int32")
+        left = self.staging[at + 3 * R : at + 3 * R + n]
+        self.staging[at + 3 * R : at + 3 * R + n] = left - chain.accepted.astype("int32")  # room after them
 
     def accept(self, B: int) -> tuple[paddle.Tensor, ...]:
         """From ``staging`` (bucket B): next_ids [B] (the accepted token after each row, 0 past

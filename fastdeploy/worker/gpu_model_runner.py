@@ -31,11 +31,17 @@ from fastdeploy.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM, 
 from fastdeploy.model_executor.ops.triton_ops.token_mask import apply_token_bitmask
 from fastdeploy.request import Request
 from fastdeploy.worker.decode_graphs import DecodeGraphs
-from fastdeploy.worker.draft_graphs import DraftGraphs
+from fastdeploy.worker.draft_graphs import Chain, DraftGraphs
 from fastdeploy.worker.kv_sizing import group_bytes_per_block, num_blocks_for, on_gpu
 from fastdeploy.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from fastdeploy.worker.speculation import MTPProposer, Results, all_rows, rows_batch, verify_drafts
-from fastdeploy.worker.step_inputs import PLACEHOLDER, DraftStep, StepInputs, build_step_inputs
+from fastdeploy.worker.step_inputs import (
+    PLACEHOLDER,
+    DraftStep,
+    StepInputs,
+    build_step_inputs,
+    chained_step_inputs,
+)
 
 logger = logging.getLogger("fastdeploy")
 
@@ -67,6 +73,7 @@ class RunningStep:
     prompt: PromptLogprobs | None
     drafts: list[list[int]]
     proposal: HostCopy | None = None
+    proposed: paddle.Tensor | None = None  # the proposal on the device (a chained step reads it)
 
 
 class GPUModelRunner:
@@ -214,6 +221,8 @@ class GPUModelRunner:
         placeholders (in ``step.placeholders`` order); ``layer_done``: the driver's layer-wise KV
         push (``ForwardMeta.layer_done``; eager steps only: a captured step pushes at the end)."""
         at = paddle.to_tensor([r for r, _ in step.placeholders], dtype="int64") if step.placeholders else None
+        if step.chained and not (self.graphs is not None and self.graphs.takes(step)):
+            raise RuntimeError("a chained verify step runs only captured (GPUModelRunner.can_chain)")
         if self.graphs is not None and self.graphs.takes(step):  # every token samples, in order
             meta, hidden, logits = self.graphs.run(step, at, filled)
             if self.spec is not None:
@@ -245,26 +254,57 @@ class GPUModelRunner:
             outputs.append(req.output_token_ids + [PLACEHOLDER] * req.pending_tokens)
         return PreparedStep(scheduled, [r.num_computed_tokens for r, _ in scheduled], step, outputs)
 
-    def launch(self, prep: PreparedStep, layer_done: Callable[[int], None] | None = None) -> RunningStep:
+    def can_chain(self, requests: int) -> bool:
+        """Whether a verify step of ``requests`` requests, k drafts each, can run chained behind
+        the running one (docs/design.md §4.18): it and its draft passes run captured."""
+        if self.graphs is None or self.spec is None or self.spec.graphs is None:
+            return False
+        rows = requests * (self.spec.k + 1)
+        if rows > self.graphs.buckets[-1]:
+            return False
+        return self.spec.graphs.takes(next(b for b in self.graphs.buckets if b >= rows), requests)
+
+    def prepare_chained(self, reqs: list[Request]) -> PreparedStep:
+        """A verify step of ``reqs`` to launch behind the running step they are all in
+        (``chained_step_inputs``): k + 1 tokens each; its starts are those of no draft accepted
+        (the engine sets the real ones once the running step is taken)."""
+        step = chained_step_inputs(reqs, self.spec.k)
+        outputs = [r.output_token_ids + [PLACEHOLDER] * r.pending_tokens for r in reqs]
+        return PreparedStep([(r, self.spec.k + 1) for r in reqs], [r.num_computed_tokens for r in reqs], step, outputs)
+
+    def launch(
+        self,
+        prep: PreparedStep,
+        layer_done: Callable[[int], None] | None = None,
+        behind: RunningStep | None = None,
+    ) -> RunningStep:
         """Queue a prepared step's device work behind every step launched before it (the driver;
         other ranks get its inputs by broadcast): the forward, the grammar masks and, when no
         row verifies drafts, the draw. A placeholder's token comes from the step before's drawn
         tokens on the device; nothing here waits for the device, except prompt logprobs (copied
         back at once). A failure of the model step itself raises. ``layer_done``: see
-        ``run_step``."""
+        ``run_step``. ``behind``: the running step a chained step (``prepare_chained``) takes
+        its tokens, positions and drafts from, on the device."""
         self.launched_at.append(time.monotonic())  # the watchdog times the input broadcast too
         if not prep.scheduled and not self.fd.parallel_config.lockstep:
             return RunningStep(prep, None, None, None, [])
         try:
             step = self.tp.broadcast_object(prep.step if prep.scheduled else self.dummy_step())
-            filled = None
-            if step.placeholders:
+            filled = chain = None
+            if step.chained:
+                first, starts = behind.prep.step.first_logit_rows, behind.prep.starts
+                chain = self.spec.graphs.chain(behind.drawn.tokens, behind.proposed, first, starts)
+                filled = self.tp.broadcast(chain.ids_pos)
+            elif step.placeholders:
                 tokens, row_of = self.drawn if self.drawn is not None else (paddle.zeros([0], "int64"), {})
                 src = [row_of.get(key, len(row_of)) for _, key in step.placeholders]  # none: the 0 appended
                 known = paddle.concat([tokens, paddle.zeros([1], "int64")])
                 filled = self.tp.broadcast(paddle.gather(known, paddle.to_tensor(src, dtype="int64")))
             reqs = [prep.scheduled[i][0] for i in step.samples_at]
-            drafts = [r.draft_token_ids[: len(rows) - 1] for r, rows in zip(reqs, step.sample_rows, strict=True)]
+            if step.chained:  # known on the device only; their count is what the host needs
+                drafts = [[0] * self.spec.k for _ in reqs]
+            else:
+                drafts = [r.draft_token_ids[: len(rows) - 1] for r, rows in zip(reqs, step.sample_rows, strict=True)]
             masked = [i for i, r in enumerate(reqs) if r.constrained]  # a mask a row, after each draft
             masks = None  # computed by llguidance's threads while this thread runs the forward
             if masked:
@@ -278,7 +318,7 @@ class GPUModelRunner:
                 first = step.first_logit_rows
                 at = [first[i] + j for i in masked for j in range(len(step.sample_rows[i]))]
                 logits = apply_token_bitmask(logits, words, at, self.fd.kernel_config.triton)
-            drawn = proposal = None
+            drawn = proposal = proposed = None
             # a captured step whose rows all draw at once: acceptance and drafts follow on the device
             on_device = (
                 self.spec is not None
@@ -286,13 +326,20 @@ class GPUModelRunner:
                 and not any(r.sampling_state.penalized for r in reqs)
                 and self.spec.staged(len(reqs))
             )
+            if step.chained and not on_device:
+                raise RuntimeError("a chained verify step's requests must all draw at once (LLMEngine._may_chain)")
             if logits is not None and (on_device or not any(drafts)):
-                drawn = self.sampler.draw(logits, rows_batch(reqs, drafts, prep.outputs, all_rows(drafts)))
+                batch = rows_batch(reqs, drafts, prep.outputs, all_rows(drafts))
+                if chain is None:
+                    drawn = self.sampler.draw(logits, batch)
+                else:  # each row's seed step: known on the device only
+                    drawn = self.sampler.draw(logits, batch, shift=chain.shift, span=self.spec.k + 1)
                 if not any(drafts):
                     self.drawn = (drawn.tokens, {r.request_id: b for b, r in enumerate(reqs)})
                 if on_device:
-                    proposal = HostCopy([self.stage_drafts(prep, drafts, drawn)])
-            return RunningStep(prep, None if drawn is not None else logits, drawn, prompt, drafts, proposal)
+                    proposed = self.stage_drafts(prep, drafts, drawn, chain=chain)
+                    proposal = HostCopy([proposed])
+            return RunningStep(prep, None if drawn is not None else logits, drawn, prompt, drafts, proposal, proposed)
         except BaseException:
             self.launched_at.pop()
             raise
@@ -362,14 +409,22 @@ class GPUModelRunner:
         return len(req.block_tables[next(iter(self.num_blocks))]) * self.block_size
 
     def stage_drafts(
-        self, prep: PreparedStep, drafts: list[list[int]], drawn: Drawn | None = None, verified: Results | None = None
+        self,
+        prep: PreparedStep,
+        drafts: list[list[int]],
+        drawn: Drawn | None = None,
+        verified: Results | None = None,
+        chain: Chain | None = None,
     ) -> paddle.Tensor:
         """The driver, after a captured step ``MTPProposer.staged`` accepts: its draft graph's
         inputs into the staging buffer (one copy, then the step's ``drawn`` tokens on the device,
-        or the host's ``verified`` results in the copy), sent to every rank, and the graph run:
-        int64 [R, k + 2] on the device (accepted tokens, depth, drafts a request)."""
+        or the host's ``verified`` results in the copy; a chained step's drafts, starts and rooms
+        from its ``chain``), sent to every rank, and the graph run: int64 [R, k + 2] on the device
+        (accepted tokens, depth, drafts a request)."""
         B, buf = self.spec.stage(prep.scheduled, prep.starts, drafts, self._covered, verified)
         self.spec.graphs.load(B, buf, *((drawn.tokens, drawn.ok) if drawn is not None else ()))
+        if chain is not None:
+            self.spec.graphs.load_chained(B, chain)
         return self.draft(self.tp.broadcast_object(DraftStep([], [], [], [], [], staged=buf.shape[0])))
 
     def draft(self, msg: DraftStep) -> np.ndarray | paddle.Tensor:
@@ -393,7 +448,9 @@ class GPUModelRunner:
                 self.draft(step)
             else:
                 filled = None
-                if step.placeholders:  # their tokens, from the driver's draw
+                if step.chained:  # its tokens and positions, from the driver's acceptance
+                    filled = self.tp.broadcast(paddle.zeros([2 * len(step.input_ids)], "int64"))
+                elif step.placeholders:  # their tokens, from the driver's draw
                     filled = self.tp.broadcast(paddle.zeros([len(step.placeholders)], "int64"))
                 self.run_step(step, filled)  # rank 0 keeps the results
 

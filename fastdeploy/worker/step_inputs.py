@@ -26,7 +26,11 @@ class StepInputs:
     them samples at (one, or m + 1 when it verifies m drafts). ``placeholders``: (row, request id)
     of each row whose token an earlier, still running step samples (the overlapped loop,
     docs/design.md §4.18); its ``input_ids`` entry is ``PLACEHOLDER``, its token is filled on the
-    device from that step's draw."""
+    device from that step's draw. ``chained``: a verify step launched behind the running one
+    with speculation (docs/design.md §4.18): every request verifies k drafts on k + 1 rows; its
+    tokens and positions come from the running step's acceptance on the device (``input_ids``
+    all placeholders, ``seq_lens_decoder`` each request's first position were none of its drafts
+    accepted)."""
 
     input_ids: list[int]
     seq_lens_encoder: list[int]
@@ -36,6 +40,7 @@ class StepInputs:
     sample_rows: list[list[int]]
     prompt_logprobs: PromptLogprobRows = field(default_factory=PromptLogprobRows)
     placeholders: tuple[tuple[int, str], ...] = ()
+    chained: bool = False
 
     @property
     def first_logit_rows(self) -> list[int]:
@@ -107,3 +112,16 @@ def build_step_inputs(
         for g, rows in tables.items():
             rows += [[null_block[g]]] * pad
     return StepInputs(ids, enc, dec, tables, samples_at, sample_rows, prompt_logprob_rows(scheduled), tuple(holes))
+
+
+def chained_step_inputs(reqs: list[Request], k: int) -> StepInputs:
+    """The verify step of ``reqs`` launched behind the running step they are all in (each request
+    k + 1 rows at the positions after its accepted tokens, known on the device only;
+    ``StepInputs.chained``): their tables as they are (they cover the longest acceptance)."""
+    n = k + 1
+    groups = reqs[0].block_tables if reqs else {}
+    tables = {g: [list(r.block_tables[g]) for r in reqs] for g in groups}
+    rows = [list(range(b * n, (b + 1) * n)) for b in range(len(reqs))]
+    dec = [r.num_computed_tokens for r in reqs]
+    ids = [PLACEHOLDER] * (n * len(reqs))
+    return StepInputs(ids, [n] * len(reqs), dec, tables, list(range(len(reqs))), rows, chained=True)

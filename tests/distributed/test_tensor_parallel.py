@@ -33,7 +33,7 @@ lps = lambda es: [None if e is None else {str(k): v for k, v in e.items()} for e
 rows = [[c.token_ids, lps(c.logprobs), o.num_cached_tokens, lps(o.prompt_logprobs)] for o in outs for c in o.outputs]
 print("RESULT " + json.dumps(rows))
 print("REPLAYS " + str(llm.engine.runner.graphs.replays if llm.engine.runner.graphs else 0))
-print("ACCEPTED " + str(llm.engine.spec.num_accepted_tokens))
+print("ACCEPTED " + str(llm.engine.spec.num_accepted_tokens) + " " + str(llm.engine.num_chained_steps))
 """
 
 
@@ -48,7 +48,7 @@ def run(tp: int, batches, sampling: dict, replays: list | None = None, accepted:
     if replays is not None:
         replays += [int(x.split()[1]) for x in p.stdout.splitlines() if x.startswith("REPLAYS ")]
     if accepted is not None:
-        accepted += [int(x.split()[1]) for x in p.stdout.splitlines() if x.startswith("ACCEPTED ")]
+        accepted += [tuple(map(int, x.split()[1:])) for x in p.stdout.splitlines() if x.startswith("ACCEPTED ")]
     return json.loads(line[0][len("RESULT ") :])
 
 
@@ -120,9 +120,11 @@ def test_captured_decode_at_tp2_equals_tp1_eager(rng):
 
 def test_speculative_decoding_at_tp2_equals_tp1_without(mtp_model_dir, rng):
     """Every rank runs the driver's draft passes (its "draft" message; after a captured step the
-    driver's draft staging, accepted on its device, by broadcast): TP 2 with k = 2, eager and
-    captured, gives the greedy tokens of TP 1 without speculation, and captured accepts the
-    drafts eager does (a rank drafting from other inputs would change the drafts)."""
+    driver's draft staging, accepted on its device, by broadcast) and, captured, the verify
+    steps chained behind the running one (their tokens and positions from the driver's device,
+    by broadcast): TP 2 with k = 2, eager and captured, gives the greedy tokens of TP 1 without
+    speculation, and captured accepts the drafts eager does (a rank drafting from other inputs
+    would change the drafts)."""
     ps = [{"prompt_token_ids": [int(x) for x in rng.integers(4, 256, n)]} for n in (70, 9)]
     sp = dict(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=3)
     want = run(1, [ps], sp, model=mtp_model_dir)
@@ -131,7 +133,8 @@ def test_speculative_decoding_at_tp2_equals_tp1_without(mtp_model_dir, rng):
     for kw in (dict(cuda_graph_batch_sizes=""), dict(cuda_graph_batch_sizes="1,2", cuda_graph_capture=True)):
         got = run(2, [ps], sp, replays, accepted, model=mtp_model_dir, speculative_config=spec, **kw)
         assert [r[0] for r in got] == [r[0] for r in want] and all(len(r[0]) == 40 for r in got)
-    assert accepted[0] == accepted[1] > 0 and replays[1] > 0
+    (eager, none), (captured, chained) = accepted
+    assert eager == captured > 0 and none == 0 and chained > 0 and replays[1] > 0
 
 
 def test_dsa_layers_at_tp2_equal_tp1(dsa_model_dir, rng):

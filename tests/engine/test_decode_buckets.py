@@ -547,6 +547,36 @@ def test_acceptance_on_the_device_matches_the_reference(mtp_model_dir, rng):
             assert not depth[len(drafts) :].any()  # padding requests draft nothing
 
 
+def test_a_chained_step_starts_where_the_acceptance_ends(mtp_model_dir, rng):
+    """``DraftGraphs.chain`` (the verify step launched behind a running one, docs/design.md
+    §4.18) against numpy on random acceptances: each request's rows are its bonus token (the
+    sample of its last accepted row) then its drafts, 0 past its depth, at the positions after
+    its accepted tokens; the drafts checked are -1 past the depth (never accepted); the draw's
+    step shift is the accepted count - 1."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 3}'
+    kw = dict(block_size=16, max_num_seqs=4, speculative_config=spec, cuda_graph_batch_sizes="1,2,4")
+    graphs, k = LLM(mtp_model_dir, cuda_graph_capture=True, **kw).engine.runner.spec.graphs, 3
+    for R in (1, 2, 4):
+        for _ in range(10):
+            T = R * (k + 1)
+            tokens = rng.integers(0, 500, T)
+            accepted = rng.integers(1, k + 2, R)
+            depth = rng.integers(0, k + 1, R)
+            drafts = rng.integers(0, 500, (R, k))
+            out = np.concatenate([accepted[:, None], depth[:, None], drafts], 1).astype(np.int64)
+            first, start = [b * (k + 1) for b in range(R)], [int(x) for x in rng.integers(0, 90, R)]
+            got = graphs.chain(paddle.to_tensor(tokens), paddle.to_tensor(out), first, start)
+            checked = np.where(np.arange(k)[None, :] < depth[:, None], drafts, -1)
+            bonus = tokens[np.asarray(first) + accepted - 1]
+            ids = np.concatenate([bonus[:, None], np.maximum(checked, 0)], 1).reshape(-1)
+            pos = (np.asarray(start) + accepted)[:, None] + np.arange(k + 1)[None, :]
+            np.testing.assert_array_equal(got.ids_pos.numpy(), np.concatenate([ids, pos.reshape(-1)]))
+            column = np.concatenate([checked, np.full((R, 1), -1)], 1).reshape(-1)
+            np.testing.assert_array_equal(got.draft.numpy(), column)
+            np.testing.assert_array_equal(got.start.numpy(), np.asarray(start) + accepted)
+            np.testing.assert_array_equal(got.shift.numpy(), np.repeat(accepted - 1, k + 1))
+
+
 def test_one_copy_fills_the_step_buffer(tiny_model_dir):
     """A step's ids, positions and its tables' first w columns (w: its longest row) land in the
     step buffer; columns past w keep an earlier step's entries (nothing reads past a row's

@@ -263,32 +263,119 @@ def test_speculation_runs_in_turn_with_the_same_tokens(mtp_model_dir, rng):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_captured_speculation_changes_no_token_through_the_whole_plan(mtp_model_dir, rng, k):
-    """Speculation with k drafts, every step eager against decode and verify steps and the draft
-    passes after them captured (buckets 1, 2, 4, 6 and their verify buckets), over the whole plan
-    (window crossings, chunks below and above W, preemption, prefix hits shorter and longer than
-    W, stop token / string, max_tokens, min_tokens, seeded penalized sampling, n = 4, an abort)
-    plus a regex-constrained request: the same tokens, texts, finish reasons, logprobs and
-    drafts proposed and accepted; every block free at the end."""
+    """Speculation with k drafts over the whole plan (window crossings, chunks below and above W,
+    preemption, prefix hits shorter and longer than W, stop token / string, max_tokens,
+    min_tokens, seeded penalized sampling, n = 4, an abort) plus a regex-constrained request and
+    seeded sampled requests without penalties, three ways: every step eager, overlapped; decode
+    and verify steps and the draft passes captured (buckets 1, 2, 4, 6 and their verify buckets)
+    in turn; and captured overlapped, where a verify step is launched behind the running one
+    from its acceptance on the device whenever the running step holds every live request and
+    none has penalties or a grammar. The same tokens, texts, finish reasons, logprobs and drafts
+    proposed and accepted each way; every block free at the end."""
     llm = LLM(mtp_model_dir, block_size=BS, max_model_len=192)
     probe = llm.generate([PROBE_PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     plan = make_plan(rng, probe[0].outputs[0].token_ids, llm.engine.tokenizer)
     so = StructuredOutput("regex", "(ab|cd){3,6}x", "structured_outputs.regex")
     plan[3] = [("grammar", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, structured=so), None)]
+    tail = [int(x) for x in rng.integers(4, 256, 12)]
+    plan[60] = [  # alone at the end: steps that can chain, sampled with seeds, ending at max_tokens
+        (f"tail{i}", tail + [i], SamplingParams(max_tokens=30 + 7 * i, temperature=0.7, seed=i), None) for i in range(2)
+    ]
     spec = '{"method": "mtp", "num_speculative_tokens": %d}' % k
     runs = []
-    for capture in (False, True):
+    for capture, overlap in ((False, True), (True, False), (True, True)):
         kw = dict(cuda_graph_capture=capture, cuda_graph_batch_sizes="1,2,4,6" if capture else "")
-        eng = engine(mtp_model_dir, True, num_gpu_blocks_override=24, speculative_config=spec, **kw)
+        eng = engine(mtp_model_dir, overlap, num_gpu_blocks_override=24, speculative_config=spec, **kw)
         runs.append((drive(eng, plan, {24: ["aborted"]})[0], eng))
-    (eager, e_eng), (captured, c_eng) = runs
+    (eager, e_eng), (in_turn, t_eng), (captured, c_eng) = runs
+    same_outputs(eager, in_turn)
     same_outputs(eager, captured)
     assert c_eng.runner.graphs.replays > 0 and c_eng.runner.spec.graphs.replays > 0
+    assert t_eng.num_chained_steps == e_eng.num_chained_steps == 0 < c_eng.num_chained_steps
     for stat in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        assert getattr(c_eng.spec, stat) == getattr(e_eng.spec, stat) > 0, stat
-    for eng in (e_eng, c_eng):
+        assert getattr(c_eng.spec, stat) == getattr(t_eng.spec, stat) == getattr(e_eng.spec, stat) > 0, stat
+    for eng in (e_eng, t_eng, c_eng):
         assert eng.num_preemptions > 0 and eng.block_manager.prefix_hits > 0 and eng.block_manager.swa_blocks_released
     g = captured["grammar"].outputs[0]
     assert g.finish_reason == "stop" and re.fullmatch("(ab|cd){3,6}x", g.text), g.text
+
+
+def chained_engine(mtp_model_dir, overlap, **kw):
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    caps = dict(cuda_graph_capture=True, cuda_graph_batch_sizes="1,2,4")
+    return engine(mtp_model_dir, overlap, speculative_config=spec, **caps, **kw)
+
+
+def test_chained_steps_stop_and_abort_as_in_turn(mtp_model_dir, rng):
+    """Captured speculation, every step after the prompts chained behind the running one: a
+    request stopping on a token, one on a string, one at max_tokens and one aborted while a
+    chained step runs end as in turn (the aborted one with a prefix of the other's tokens); the
+    chained steps after a stop are thrown away and every block is free."""
+    prompt = [int(x) for x in rng.integers(4, 256, 14)]
+    probe, _ = drive(
+        chained_engine(mtp_model_dir, False),
+        {0: [("p", prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), None)]},
+    )
+    toks = probe["p"].outputs[0].token_ids
+    tok = chained_engine(mtp_model_dir, False).tokenizer
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    plan = {
+        0: [
+            ("token", prompt, SamplingParams(max_tokens=30, stop_token_ids=[toks[17]], **greedy), None),
+            ("string", prompt, SamplingParams(max_tokens=30, stop=[tok.decode(toks[9:11])], **greedy), None),
+            ("length", prompt[:-1], SamplingParams(max_tokens=23, temperature=0.6, seed=4), None),
+            ("aborted", prompt[2:], SamplingParams(max_tokens=30, **greedy), None),
+        ]
+    }
+    outs = []
+    for overlap in (False, True):
+        eng = chained_engine(mtp_model_dir, overlap)
+        final, _ = drive(eng, plan, {8: ["aborted"]})
+        outs.append((final, eng))
+    (want, e_turn), (got, e_chain) = outs
+    same_outputs(want, got, skip=("aborted",))
+    assert e_chain.num_chained_steps > 0 and e_turn.num_chained_steps == 0
+    assert got["token"].outputs[0].token_ids[-1] == toks[17] and got["string"].outputs[0].finish_reason == "stop"
+    a, b = (o["aborted"].outputs[0].token_ids for o in (want, got))
+    assert a[: len(b)] == b or b[: len(a)] == a
+    assert len(b) < 30 and "aborted" not in e_chain.requests  # cut short, gone from the engine
+
+
+@pytest.mark.parametrize("where", ["chain", "finish"])
+def test_a_fault_with_a_chained_step_behind(mtp_model_dir, rng, where):
+    """A chained verify step that fails to launch (before any device work), and a speculating
+    step whose results fail to come back while a chained step runs behind it: the failed step's
+    requests are retried one by one (the chained step behind thrown away and undone first) and,
+    the fault being transient, end as in turn; no request fails; every block is free."""
+    prompts = {f"r{i}": [int(x) for x in rng.integers(4, 256, 12 + 5 * i)] for i in range(2)}
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    plan = {0: [(r, p, sp, None) for r, p in prompts.items()]}
+    want, _ = drive(chained_engine(mtp_model_dir, False), plan)
+    eng = chained_engine(mtp_model_dir, True)
+    runner, faults = eng.runner, []
+    if where == "chain":
+        chain = runner.spec.graphs.chain
+
+        def faulty(*a):
+            if eng.num_chained_steps == 3 and not faults:
+                faults.append(eng.num_chained_steps)
+                raise RuntimeError("injected chain failure")
+            return chain(*a)
+
+        runner.spec.graphs.chain = faulty
+    else:
+        finish = runner.finish
+
+        def faulty(running):
+            if eng.in_flight is not None and eng.in_flight.chained and eng.num_chained_steps == 3 and not faults:
+                faults.append(eng.num_chained_steps)
+                raise RuntimeError("injected finish failure")
+            return finish(running)
+
+        runner.finish = faulty
+    got, _ = drive(eng, plan)
+    assert faults and eng.num_request_errors == 0 and eng.num_chained_steps > 3
+    same_outputs(want, got)
 
 
 def test_any_plan_gives_the_same_tokens_in_turn_and_overlapped(tiny_model_dir):

@@ -123,9 +123,10 @@ class DeviceSampler:
         self.slot_of[key] = s
         return s
 
-    def pack(self, batch: SamplingBatch) -> dict[str, np.ndarray]:
+    def pack(self, batch: SamplingBatch, span: int = 1) -> dict[str, np.ndarray]:
         """The rows' host arrays: fparams float32 [B, 8], iparams int32 [B, 4], seeds int32
-        [B, 2], bias_ids int32 / bias_vals float32 [B, NB >= 1]. Each row samples after its
+        [B, 2] (with ``span`` > 1: [B, span, 2], the keys of the span steps from the row's own),
+        bias_ids int32 / bias_vals float32 [B, NB >= 1]. Each row samples after its
         ``output_ids`` (penalties, min_tokens, the seed's step), tokens accepted earlier in this
         step among them (speculative verification, docs/design.md §4.16)."""
         B, outs, states = len(batch), batch.output_ids, batch.states
@@ -160,7 +161,11 @@ class DeviceSampler:
         return {
             "fparams": f,
             "iparams": i,
-            "seeds": sampling.row_keys(seeds, steps),
+            "seeds": (
+                sampling.row_keys(seeds, steps)
+                if span == 1
+                else np.stack([sampling.row_keys(seeds, steps + np.uint64(j)) for j in range(span)], 1)
+            ),
             "bias_ids": bias_ids,
             "bias_vals": bias_vals,
         }
@@ -170,11 +175,19 @@ class DeviceSampler:
         (a ValueError for a row whose logits are not finite: it fails that request only)."""
         return self.collect(self.draw(logits, batch))
 
-    def draw(self, logits: paddle.Tensor, batch: SamplingBatch) -> Drawn:
+    def draw(
+        self, logits: paddle.Tensor, batch: SamplingBatch, shift: paddle.Tensor | None = None, span: int = 1
+    ) -> Drawn:
         """Launch the draw of one token per row (device work only; nothing is copied back): the
-        drawn tokens stay on the device (``Drawn.out.tokens``) for a step launched behind this one."""
-        host = self.pack(batch)
+        drawn tokens stay on the device (``Drawn.out.tokens``) for a step launched behind this one.
+        ``shift`` int64 [B] on the device, 0 <= shift < ``span``: a row draws as if that many more
+        tokens preceded it (its seed's step; a count only the device knows: a chained verify step,
+        docs/design.md §4.18). Rows with a shift may not have penalties or a min_tokens left."""
+        host = self.pack(batch, span)
         dev = upload(host)
+        if shift is not None:
+            rows = paddle.arange(len(batch), dtype="int64") * span + shift
+            dev["seeds"] = paddle.gather(dev["seeds"].reshape([len(batch) * span, 2]), rows)
         counts = self.counts if self.counts is not None else self.no_counts
         seen = self.seen if self.seen is not None else self.no_seen
         out = sampling.sample_tokens(
