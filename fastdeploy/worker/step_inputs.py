@@ -67,7 +67,7 @@ class DraftStep:
     """The draft pass over the latest step (``MTPProposer.draft``): ``next_ids`` the token after
     each of its rows (0 where not known); per drafting request its row, batch index, the row's
     position and how many drafts it takes. ``staged``: none of these lists is sent; the driver
-    computed them on the device after a captured step (``DraftGraphs.stage``) and broadcasts its
+    computed them on the device after a captured step (``DraftGraphs.accept``) and broadcasts its
     draft staging buffer's first ``staged`` int32 entries next."""
 
     next_ids: list[int]

@@ -6,8 +6,9 @@ plan crosses windows (W 32, block 16, prompts past 2W + a block, chunks of 48 be
 preempts (a short pool), hits cached prefixes shorter and longer than W, stops on a token, a
 string, max_tokens and min_tokens, samples with seeds and penalties, runs n = 4 siblings and aborts
 a request while its step runs. Every block is free at the end. Steps a request's structured
-output or speculation needs taken first run in turn; a step failing with another launched behind
-it fails only its request."""
+output or (uncaptured) speculation needs taken first run in turn; captured speculation chains
+its verify steps from the device's acceptance; a step failing with another launched behind it
+fails only its request."""
 
 import re
 
@@ -244,8 +245,9 @@ def test_structured_outputs_run_in_turn_and_match(tiny_model_dir):
 
 
 def test_speculation_runs_in_turn_with_the_same_tokens(mtp_model_dir, rng):
-    """MTP drafts come from the running step's tokens: a speculating engine launches no step
-    behind another and gives the in-turn tokens (greedy and seeded)."""
+    """Uncaptured, MTP drafts come from the running step's tokens on the host: a speculating
+    engine launches no step behind another and gives the in-turn tokens (greedy and seeded).
+    Captured, verify steps chain (test_chained_steps_stop_and_abort_as_in_turn)."""
     sp = [
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=30, temperature=0.7, seed=3, ignore_eos=True),
