@@ -84,7 +84,7 @@ def run_case(model_dir: str, n: int, k: int, verify_ms: float, draft_ms: float, 
         clock.s = draft_ms / 1e3
         clock.launch()
         R = drafts.requests[B]
-        verified = drafts.staging[5 * B + R : 5 * B + 2 * R].astype("int64").unsqueeze(1)
+        verified = drafts.staging[drafts.slot(B, "drafts")].astype("int64").unsqueeze(1)
         rest = paddle.to_tensor(np.concatenate([np.full((R, 1), k), np.full((R, k), TOKEN)], 1).astype(np.int64))
         return paddle.concat([verified + 1, rest], 1)
 

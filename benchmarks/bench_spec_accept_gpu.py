@@ -3,8 +3,8 @@ and its draft passes, the host's way (before) against the draft graph's (after; 
 §4.16).
 
 Per case, B requests verifying k drafts (T = B (k + 1) rows), a step is: a CUDA graph for the
-verify step (a spin kernel of ``verify_ms``), the draw's stand-in (an arg-max over [T, 129280]
-float32 logits), then
+verify step (a spin kernel of ``verify_ms``, ``bench_overlap_gpu.busy_graph``), the draw's
+stand-in (an arg-max over [T, 129280] float32 logits), then
   before: the draw copied to pinned host memory with an event and waited for; the acceptance and
           ``MTPProposer.plan``'s loop in Python (next ids, rows, positions, depths); the plan
           uploaded; the draft graph (a spin of ``draft_ms``); its drafts copied back and waited for.
@@ -26,30 +26,12 @@ import time
 
 import numpy as np
 import torch
+from bench_overlap_gpu import busy_graph  # a spin kernel's graph of a given length
+from common import events_ms
 
 VOCAB = 129280
 K = 3
 CASES = [(1, 14.0, 1.5), (8, 19.0, 2.0), (32, 26.0, 3.0)]  # B, verify ms, draft ms
-
-
-def sleep_graph(ms: float) -> torch.cuda.CUDAGraph:
-    """A graph of one ``torch.cuda._sleep`` kernel of about ``ms``."""
-
-    def make(cycles: int) -> tuple[torch.cuda.CUDAGraph, float]:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            torch.cuda._sleep(cycles)
-        g.replay()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        return g, e0.elapsed_time(e1)
-
-    _, one = make(10_000_000)
-    return make(max(1, int(10_000_000 * ms / one)))[0]
 
 
 def accept(tok, ok, req, index, draft, first, m, start, left, covered, may, B):
@@ -99,7 +81,7 @@ def case(B: int, verify_ms: float, draft_ms: float, steps: int) -> dict:
         rows = tok_host[b * (K + 1) : b * (K + 1) + K]
         drafts.append([int(t) if keep[b * (K + 1) + j] else int(t) + 1 for j, t in enumerate(rows)])
     start, left, covered = [100 * b for b in range(B)], [64] * B, [100 * b + 2 * K + 2 for b in range(B)]
-    verify, draft = sleep_graph(verify_ms), sleep_graph(draft_ms)
+    (verify, _), (draft, _) = busy_graph(verify_ms), busy_graph(draft_ms)
     dev = {
         "req": torch.arange(B, device="cuda").repeat_interleave(K + 1),
         "index": torch.arange(K + 1, device="cuda").repeat(B),
@@ -166,12 +148,7 @@ def case(B: int, verify_ms: float, draft_ms: float, steps: int) -> dict:
         return statistics.median(ts) * 1e3
 
     got_before, got_after = wall(before), wall(after)
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(100):
-        accept_graph.replay()
-    e1.record()
-    torch.cuda.synchronize()
+    accept_ms = events_ms(accept_graph.replay, iters=100)
     want = plan_on_host(tok.cpu().numpy(), drafts, start, left, covered)
     _, acc, rows, pos, dep = accept(tok, ok, *args, B=T)
     n = len(want) - T
@@ -184,7 +161,7 @@ def case(B: int, verify_ms: float, draft_ms: float, steps: int) -> dict:
         "before_ms": got_before,
         "after_ms": got_after,
         "saved_ms": got_before - got_after,
-        "accept_graph_us": e0.elapsed_time(e1) / 100 * 1e3,
+        "accept_graph_us": accept_ms * 1e3,
         "mean_accepted": float(acc.float().mean().item()),
     }
 

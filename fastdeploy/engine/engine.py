@@ -315,12 +315,13 @@ class LLMEngine(RequestMaker):
         if self.in_flight is None:
             self.in_flight = self._launch(self._schedule())
         running, self.in_flight = self.in_flight, None
-        if self.config.scheduler_config.async_scheduling and self._may_overlap(running):
-            sched = self._schedule()
-            if sched.scheduled:
-                self.in_flight = self._launch(sched)
-        elif self.config.scheduler_config.async_scheduling and self._may_chain(running):
-            self.in_flight = self._launch_chained(running)
+        if self.config.scheduler_config.async_scheduling:
+            if self._may_overlap(running):
+                sched = self._schedule()
+                if sched.scheduled:
+                    self.in_flight = self._launch(sched)
+            elif self._may_chain(running):
+                self.in_flight = self._launch_chained(running)
         outputs = self._take(running)
         if self.in_flight is not None and self.in_flight.chained:
             self.in_flight = self._resolve(self.in_flight)

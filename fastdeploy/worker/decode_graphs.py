@@ -84,6 +84,10 @@ class DecodeGraphs:
             and all(len(row) <= self.width for rows in step.block_tables.values() for row in rows)
         )
 
+    def bucket(self, rows: int) -> int | None:
+        """The smallest bucket of at least ``rows`` rows (None: more than the largest)."""
+        return next((b for b in self.buckets if b >= rows), None)
+
     def rows_of(self, step: StepInputs) -> tuple[int, list[int], list[int], dict[str, list[list[int]]]]:
         """A step ``takes`` accepted as decode rows padded to a bucket: the bucket B, and per row
         its token, position and tables (a verify request's rows share its tables; padding rows:
@@ -94,7 +98,7 @@ class DecodeGraphs:
                 pos.append(dec + j)
                 for g, rows in tables.items():
                     rows.append(step.block_tables[g][b])
-        B = next(b for b in self.buckets if b >= len(pos))
+        B = self.bucket(len(pos))
         pad = B - len(pos)
         for g, rows in tables.items():
             rows += [[self.null_block[g]]] * pad

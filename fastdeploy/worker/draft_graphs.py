@@ -6,7 +6,7 @@ host.
 A bucket's draft body reads nothing but ``staging``, an int32 device buffer allocated once, and
 the decode step's own outputs (its ForwardMeta and hidden states, tensors the decode graph owns).
 For B rows and R = ``requests[B]`` requests (those of the step, then padding ones) it uses the
-first 5B + 6R entries:
+first 5B + 6R entries (``ROW_FIELDS``, then ``REQUEST_FIELDS``; ``slot`` says where each lies):
 
     token [B] | ok [B] | request [B] | index [B] | draft [B]
     | first [R] | drafts [R] | start [R] | left [R] | covered [R] | may_draft [R]
@@ -47,6 +47,9 @@ from fastdeploy.worker.decode_graphs import DecodeGraphs
 
 logger = logging.getLogger("fastdeploy")
 
+ROW_FIELDS = ("token", "ok", "request", "index", "draft")  # B entries each, in staging's order
+REQUEST_FIELDS = ("first", "drafts", "start", "left", "covered", "may_draft")  # R entries each, after them
+
 
 @dataclass(frozen=True)
 class Chain:
@@ -86,7 +89,17 @@ class DraftGraphs:
 
     def size(self, B: int) -> int:
         """The staging entries a step of bucket B uses."""
-        return 5 * B + 6 * self.requests[B]
+        return len(ROW_FIELDS) * B + len(REQUEST_FIELDS) * self.requests[B]
+
+    def slot(self, B: int, name: str, n: int | None = None) -> slice:
+        """Where field ``name`` (``ROW_FIELDS`` or ``REQUEST_FIELDS``) of bucket B lies in
+        ``staging``: its first ``n`` entries (default all: B of a row field, R of a request one)."""
+        if name in ROW_FIELDS:
+            at, size = ROW_FIELDS.index(name) * B, B
+        else:
+            size = self.requests[B]
+            at = len(ROW_FIELDS) * B + REQUEST_FIELDS.index(name) * size
+        return slice(at, at + (size if n is None else n))
 
     def takes(self, rows: int, requests: int) -> bool:
         """Whether the draft passes over a captured step of ``rows`` rows and ``requests``
@@ -107,23 +120,24 @@ class DraftGraphs:
         ``drafts``, first position, room, covered tokens and whether it may draft). Tokens and ok
         are 0 unless ``verified`` (the host's results, a list of samples or an exception a
         request) gives them."""
-        R = self.requests[B]
-        rows = np.zeros((5, B), np.int64)
-        rows[3] = self.k + 2  # padding rows: past any acceptance
-        reqs = np.zeros((6, R), np.int64)
+        rows = {f: np.zeros(B, np.int64) for f in ROW_FIELDS}
+        rows["index"][:] = self.k + 2  # padding rows: past any acceptance
+        reqs = {f: np.zeros(self.requests[B], np.int64) for f in REQUEST_FIELDS}
         at = 0
         for b, d in enumerate(drafts):
             n = len(d) + 1
-            rows[2, at : at + n] = b
-            rows[3, at : at + n] = np.arange(n)
-            rows[4, at : at + n] = d + [-1]
+            rows["request"][at : at + n] = b
+            rows["index"][at : at + n] = np.arange(n)
+            rows["draft"][at : at + n] = d + [-1]
             if verified is not None and isinstance(verified[b], list):
                 got = [r.token_id for r in verified[b]]
-                rows[0, at : at + len(got)] = got
-                rows[1, at : at + len(got)] = 1
-            reqs[:, b] = (at, len(d), start[b], left[b], covered[b], may_draft[b])
+                rows["token"][at : at + len(got)] = got
+                rows["ok"][at : at + len(got)] = 1
+            per = (at, len(d), start[b], left[b], covered[b], may_draft[b])
+            for f, v in zip(REQUEST_FIELDS, per, strict=True):
+                reqs[f][b] = v
             at += n
-        return np.concatenate([rows.reshape(-1), reqs.reshape(-1)]).astype(np.int32)
+        return np.concatenate([*rows.values(), *reqs.values()]).astype(np.int32)
 
     def load(
         self, B: int, buf: np.ndarray, tokens: paddle.Tensor | None = None, ok: paddle.Tensor | None = None
@@ -134,8 +148,8 @@ class DraftGraphs:
         self.staging[: buf.shape[0]] = paddle.to_tensor(buf, place=self.staging.place)
         if tokens is not None:
             T = tokens.shape[0]
-            self.staging[:T] = tokens.astype("int32")
-            self.staging[B : B + T] = ok.astype("int32")
+            self.staging[self.slot(B, "token", T)] = tokens.astype("int32")
+            self.staging[self.slot(B, "ok", T)] = ok.astype("int32")
 
     def chain(self, tokens: paddle.Tensor, out: paddle.Tensor, first: list[int], start: list[int]) -> Chain:
         """The verify step chained behind a step (docs/design.md §4.18) from that step's drawn
@@ -158,20 +172,18 @@ class DraftGraphs:
     def load_chained(self, B: int, chain: Chain) -> None:
         """After ``load`` of a chained step's host buffer (its drafts, start and room as if none
         were accepted): its drafts checked, first positions and rooms from ``chain`` (device ops)."""
-        R, T = self.requests[B], chain.draft.shape[0]
-        at = 5 * B
-        self.staging[4 * B : 4 * B + T] = chain.draft.astype("int32")
-        n = chain.start.shape[0]
-        self.staging[at + 2 * R : at + 2 * R + n] = chain.start.astype("int32")
-        left = self.staging[at + 3 * R : at + 3 * R + n]
-        self.staging[at + 3 * R : at + 3 * R + n] = left - chain.accepted.astype("int32")  # room after them
+        n, s = chain.start.shape[0], self.staging
+        s[self.slot(B, "draft", chain.draft.shape[0])] = chain.draft.astype("int32")
+        s[self.slot(B, "start", n)] = chain.start.astype("int32")
+        left = self.slot(B, "left", n)
+        s[left] = s[left] - chain.accepted.astype("int32")  # the room after them
 
     def accept(self, B: int) -> tuple[paddle.Tensor, ...]:
         """From ``staging`` (bucket B): next_ids [B] (the accepted token after each row, 0 past
         them), and per request its accepted tokens, row, position and depth [R], int64."""
-        R, s = self.requests[B], self.staging
-        tok, ok, req, index, draft = (s[i * B : (i + 1) * B].astype("int64") for i in range(5))
-        first, m, start, left, covered, may = (s[5 * B + i * R : 5 * B + (i + 1) * R].astype("int64") for i in range(6))
+        s = self.staging
+        tok, ok, req, index, draft = (s[self.slot(B, f)].astype("int64") for f in ROW_FIELDS)
+        first, m, start, left, covered, may = (s[self.slot(B, f)].astype("int64") for f in REQUEST_FIELDS)
         eq = (tok == draft).astype("int64") * ok
         zero = paddle.zeros([1], "int64")
         missed = paddle.concat([zero, paddle.cumsum(1 - eq)])  # missed[t]: rows before t whose draft missed

@@ -60,6 +60,12 @@ class PreparedStep:
     outputs: list[list[int]]
 
 
+def outputs_as_seen(reqs: list[Request]) -> list[list[int]]:
+    """Each request's output ids as a step launched now sees them: a token sampled by a step
+    not yet taken as ``PLACEHOLDER`` (``PreparedStep.outputs``)."""
+    return [r.output_token_ids + [PLACEHOLDER] * r.pending_tokens for r in reqs]
+
+
 @dataclass(frozen=True)
 class RunningStep:
     """A launched step: its draw, or (rows verifying drafts, drawn at ``finish``) its logits on
@@ -248,10 +254,7 @@ class GPUModelRunner:
         """The host's part of a step, before the engine counts its tokens: its inputs (with
         placeholders where a token is pending), each request's computed tokens and its outputs."""
         step = self.step_inputs(scheduled)
-        outputs = []
-        for i in step.samples_at:
-            req = scheduled[i][0]
-            outputs.append(req.output_token_ids + [PLACEHOLDER] * req.pending_tokens)
+        outputs = outputs_as_seen([scheduled[i][0] for i in step.samples_at])
         return PreparedStep(scheduled, [r.num_computed_tokens for r, _ in scheduled], step, outputs)
 
     def can_chain(self, requests: int) -> bool:
@@ -259,18 +262,16 @@ class GPUModelRunner:
         the running one (docs/design.md §4.18): it and its draft passes run captured."""
         if self.graphs is None or self.spec is None or self.spec.graphs is None:
             return False
-        rows = requests * (self.spec.k + 1)
-        if rows > self.graphs.buckets[-1]:
-            return False
-        return self.spec.graphs.takes(next(b for b in self.graphs.buckets if b >= rows), requests)
+        B = self.graphs.bucket(requests * (self.spec.k + 1))
+        return B is not None and self.spec.graphs.takes(B, requests)
 
     def prepare_chained(self, reqs: list[Request]) -> PreparedStep:
         """A verify step of ``reqs`` to launch behind the running step they are all in
         (``chained_step_inputs``): k + 1 tokens each; its starts are those of no draft accepted
         (the engine sets the real ones once the running step is taken)."""
         step = chained_step_inputs(reqs, self.spec.k)
-        outputs = [r.output_token_ids + [PLACEHOLDER] * r.pending_tokens for r in reqs]
-        return PreparedStep([(r, self.spec.k + 1) for r in reqs], [r.num_computed_tokens for r in reqs], step, outputs)
+        scheduled = [(r, self.spec.k + 1) for r in reqs]
+        return PreparedStep(scheduled, [r.num_computed_tokens for r in reqs], step, outputs_as_seen(reqs))
 
     def launch(
         self,
